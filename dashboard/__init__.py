@@ -1,0 +1,1 @@
+"""The Streamlit dashboard for SREs and finance."""

@@ -1,0 +1,375 @@
+"""JWT -> TenantContext: the only way a request gets a tenant identity.
+
+Every failure is an `AuthError` carrying an HTTP status, a stable code and a
+reason a client can act on; nothing else escapes `Authenticator.verify`, so the
+server can turn any bad token into a 401/403 in OpenAI's error shape instead of
+a 500. Keys come from the environment or a key file, never from code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+
+from engine.tenancy import TenantContext, TierTable
+
+SECRET_ENV = "KVLEASE_JWT_SECRET"
+KEYS_ENV = "KVLEASE_JWT_KEYS"
+ISSUER_ENV = "KVLEASE_JWT_ISSUER"
+AUDIENCE_ENV = "KVLEASE_JWT_AUDIENCE"
+LEEWAY_ENV = "KVLEASE_JWT_LEEWAY"
+ANONYMOUS_ENV = "KVLEASE_ANONYMOUS"
+
+MAX_TOKEN_BYTES = 8192
+MIN_HMAC_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key is at least the hash size
+ROLES = frozenset({"admin", "finance"})
+ALGORITHMS = frozenset({"HS256", "RS256", "ES256"})
+ANONYMOUS_TENANT = "anonymous"
+_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+
+
+class AuthError(Exception):
+    """A request's credentials were refused. `status` is 401 or 403."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class KeyConfigError(ValueError):
+    """No usable signing/verifying key is configured; the message says how to fix it."""
+
+
+def _unauthorized(code: str, message: str) -> AuthError:
+    return AuthError(401, code, message)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One verification key. `sign_key` is None when only the public half is known."""
+
+    kid: str | None
+    algorithm: str
+    verify_key: Any
+    sign_key: Any | None
+
+
+@dataclass(frozen=True)
+class KeyRing:
+    """Keys by `kid`. Rotation: publish the new key beside the old one, move
+    signing to it, drop the old one once its tokens have expired.
+
+    A ring built from a single HS256 secret holds one key with no kid; a JWKS
+    ring requires every key to have a distinct `kid` and an explicit `alg`.
+    `signing_kid` is the key `kvlease token` uses when no `--kid` is given:
+    the first key in the file that has private material.
+    """
+
+    keys: Mapping[str | None, Key]
+    signing_kid: str | None
+
+    @classmethod
+    def from_secret(cls, secret: str) -> KeyRing:
+        if len(secret.encode()) < MIN_HMAC_SECRET_BYTES:
+            raise KeyConfigError(
+                f"{SECRET_ENV} is too short: an HS256 secret needs at least "
+                f"{MIN_HMAC_SECRET_BYTES} bytes (try: python -c 'import secrets; "
+                "print(secrets.token_urlsafe(48))')"
+            )
+        key = Key(None, "HS256", secret, secret)
+        return cls({None: key}, None)
+
+    @classmethod
+    def from_jwks(cls, doc: Any, source: str = "<jwks>") -> KeyRing:
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("keys"), list) or not doc["keys"]:
+            raise KeyConfigError(f'{source}: a JWKS document needs a non-empty "keys" list')
+        keys: dict[str | None, Key] = {}
+        signing_kid = None
+        for i, jwk in enumerate(doc["keys"]):
+            where = f"{source}: key #{i}"
+            if not isinstance(jwk, Mapping):
+                raise KeyConfigError(f"{where} is not a JSON object")
+            kid, alg = jwk.get("kid"), jwk.get("alg")
+            if not isinstance(kid, str) or not kid:
+                raise KeyConfigError(f'{where} needs a "kid" (key rotation selects keys by kid)')
+            if alg not in ALGORITHMS:
+                raise KeyConfigError(
+                    f'{where} ({kid}): "alg" must be one of {sorted(ALGORITHMS)}, got {alg!r}'
+                )
+            if kid in keys:
+                raise KeyConfigError(f"{where}: duplicate kid {kid!r}")
+            try:
+                parsed = jwt.PyJWK(dict(jwk), algorithm=alg)
+            except (jwt.PyJWTError, ValueError, TypeError) as exc:
+                raise KeyConfigError(f"{where} ({kid}): unusable key: {exc}") from None
+            verify_key, sign_key = _split_key(parsed.key, alg, jwk)
+            if alg == "HS256" and len(verify_key) < MIN_HMAC_SECRET_BYTES:
+                raise KeyConfigError(
+                    f"{where} ({kid}): HS256 key needs at least {MIN_HMAC_SECRET_BYTES} bytes"
+                )
+            keys[kid] = Key(kid, alg, verify_key, sign_key)
+            if signing_kid is None and sign_key is not None:
+                signing_kid = kid
+        return cls(keys, signing_kid)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> KeyRing:
+        file = Path(path)
+        try:
+            doc = json.loads(file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise KeyConfigError(f"{file}: cannot read key file: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise KeyConfigError(f"{file}: not valid JSON: {exc}") from None
+        return cls.from_jwks(doc, source=str(file))
+
+    @classmethod
+    def from_config(cls, keys_path: str | os.PathLike[str] | None = None) -> KeyRing:
+        """The configured ring: `--jwt-keys`/`$KVLEASE_JWT_KEYS`, or `$KVLEASE_JWT_SECRET`.
+
+        Exactly one source must be set; kvlease has no built-in key.
+        """
+        path = keys_path or os.environ.get(KEYS_ENV)
+        secret = os.environ.get(SECRET_ENV)
+        if path and secret:
+            raise KeyConfigError(
+                f"both a key file ({path}) and {SECRET_ENV} are set: choose one key source"
+            )
+        if path:
+            return cls.from_file(path)
+        if secret:
+            return cls.from_secret(secret)
+        raise KeyConfigError(
+            f"no JWT key configured: set {SECRET_ENV} (HS256 secret, at least "
+            f"{MIN_HMAC_SECRET_BYTES} bytes) or pass --jwt-keys PATH (a JWKS file)"
+        )
+
+
+def _split_key(key: Any, alg: str, jwk: Mapping[str, Any]) -> tuple[Any, Any | None]:
+    """(verify, sign) halves of a parsed JWK; asymmetric keys verify with the public half."""
+    if alg == "HS256":
+        return key, key
+    if "d" in jwk:  # private JWK: keep it for signing, verify with its public half
+        return key.public_key(), key
+    return key, None
+
+
+@dataclass(frozen=True)
+class AuthSettings:
+    """Verification options. `anonymous` is "reject" or the tier for token-less traffic."""
+
+    issuer: str | None = None
+    audience: str | None = None
+    leeway_seconds: float = 10.0
+    anonymous: str = "reject"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AuthSettings:
+        env = os.environ if env is None else env
+        leeway_raw = env.get(LEEWAY_ENV, "10")
+        try:
+            leeway = float(leeway_raw)
+        except ValueError:
+            raise KeyConfigError(
+                f"{LEEWAY_ENV} must be a number of seconds, got {leeway_raw!r}"
+            ) from None
+        if not 0 <= leeway <= 300:
+            raise KeyConfigError(f"{LEEWAY_ENV} must be between 0 and 300 seconds, got {leeway}")
+        return cls(
+            issuer=env.get(ISSUER_ENV) or None,
+            audience=env.get(AUDIENCE_ENV) or None,
+            leeway_seconds=leeway,
+            anonymous=env.get(ANONYMOUS_ENV, "reject"),
+        )
+
+
+class Authenticator:
+    """Verifies Bearer tokens against a key ring and a tier table.
+
+    Stateless after construction and safe to share between requests.
+    """
+
+    def __init__(self, keyring: KeyRing, tiers: TierTable, settings: AuthSettings | None = None):
+        self.keyring = keyring
+        self.tiers = tiers
+        self.settings = settings or AuthSettings()
+        anon = self.settings.anonymous
+        if anon != "reject" and anon not in tiers:
+            raise KeyConfigError(
+                f"{ANONYMOUS_ENV}={anon!r}: must be 'reject' or a tier ({', '.join(tiers)})"
+            )
+
+    def authenticate(self, authorization: str | None) -> TenantContext:
+        """Identity for an `Authorization` header value (None when absent)."""
+        if not authorization:
+            if self.settings.anonymous == "reject":
+                raise _unauthorized(
+                    "missing_token", "an Authorization: Bearer <token> header is required"
+                )
+            return TenantContext(ANONYMOUS_TENANT, self.settings.anonymous)
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _unauthorized(
+                "malformed_token", "the Authorization header must be 'Bearer <token>'"
+            )
+        return self.verify(token.strip())
+
+    def verify(self, token: str) -> TenantContext:
+        if len(token.encode("utf-8", "surrogatepass")) > MAX_TOKEN_BYTES:
+            raise _unauthorized("token_too_large", f"token is larger than {MAX_TOKEN_BYTES} bytes")
+        key = self._key_for(token)
+        claims = self._decode(token, key)
+        return self._context(claims)
+
+    def _key_for(self, token: str) -> Key:
+        try:
+            header = jwt.get_unverified_header(token)
+        except (jwt.PyJWTError, ValueError, TypeError):
+            raise _unauthorized("malformed_token", "token is not a well-formed JWT") from None
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg.lower() == "none":
+            raise _unauthorized("unsupported_algorithm", "unsigned tokens (alg 'none') are refused")
+        kid = header.get("kid")
+        if kid is not None and not isinstance(kid, str):
+            raise _unauthorized("malformed_token", "the token header's 'kid' must be a string")
+        if kid is None and None not in self.keyring.keys:
+            raise _unauthorized("unknown_kid", "token has no 'kid' and the key ring requires one")
+        key = self.keyring.keys.get(kid)
+        if key is None:
+            raise _unauthorized("unknown_kid", f"no key with kid {kid!r} is configured")
+        if alg != key.algorithm:
+            raise _unauthorized(
+                "unsupported_algorithm",
+                f"algorithm {alg!r} is not allowed for this key (expected {key.algorithm})",
+            )
+        return key
+
+    def _decode(self, token: str, key: Key) -> dict[str, Any]:
+        s = self.settings
+        try:
+            return jwt.decode(
+                token,
+                key.verify_key,
+                algorithms=[key.algorithm],
+                audience=s.audience,
+                issuer=s.issuer,
+                leeway=s.leeway_seconds,
+                options={
+                    "require": ["exp", "tenant_id", "tier"],
+                    "verify_aud": s.audience is not None,
+                    "verify_iss": s.issuer is not None,
+                },
+            )
+        except jwt.ExpiredSignatureError:
+            raise _unauthorized("token_expired", "token has expired") from None
+        except jwt.ImmatureSignatureError:
+            raise _unauthorized("token_not_yet_valid", "token is not valid yet (nbf/iat)") from None
+        except jwt.InvalidSignatureError:
+            raise _unauthorized("invalid_signature", "token signature does not verify") from None
+        except jwt.MissingRequiredClaimError as exc:
+            raise _unauthorized("missing_claim", f"token lacks the '{exc.claim}' claim") from None
+        except jwt.InvalidAudienceError:
+            raise _unauthorized("invalid_claim", "token audience ('aud') is not accepted") from None
+        except jwt.InvalidIssuerError:
+            raise _unauthorized("invalid_claim", "token issuer ('iss') is not accepted") from None
+        except (jwt.PyJWTError, ValueError, TypeError, OverflowError) as exc:
+            # DecodeError and friends, and non-numeric exp/nbf/iat values.
+            raise _unauthorized("malformed_token", f"token is not valid: {exc}") from None
+
+    def _context(self, claims: Mapping[str, Any]) -> TenantContext:
+        tenant_id = claims["tenant_id"]
+        if not isinstance(tenant_id, str) or not _ID_RE.match(tenant_id):
+            raise _unauthorized(
+                "invalid_claim", "'tenant_id' must be 1-128 characters of [A-Za-z0-9._:@-]"
+            )
+        tier = claims["tier"]
+        if not isinstance(tier, str):
+            raise _unauthorized("invalid_claim", "'tier' must be a string")
+        if tier not in self.tiers:
+            raise AuthError(403, "tier_not_allowed", f"tier {tier[:64]!r} is not served here")
+        session_id = claims.get("session_id")
+        if session_id is not None and (
+            not isinstance(session_id, str) or not _ID_RE.match(session_id)
+        ):
+            raise _unauthorized(
+                "invalid_claim", "'session_id' must be 1-128 characters of [A-Za-z0-9._:@-]"
+            )
+        return TenantContext(tenant_id, tier, _roles(claims.get("roles", [])), session_id)
+
+
+def _roles(raw: Any) -> frozenset[str]:
+    if not isinstance(raw, list) or not all(isinstance(r, str) for r in raw):
+        raise _unauthorized("invalid_claim", "'roles' must be a list of strings")
+    unknown = sorted(set(raw) - ROLES)
+    if unknown:
+        raise _unauthorized("invalid_claim", f"unknown role {unknown[0][:32]!r}")
+    return frozenset(raw)
+
+
+def require_role(ctx: TenantContext, role: str) -> None:
+    """Raise 403 unless the verified identity holds `role` (admin, finance)."""
+    if role not in ctx.roles:
+        raise AuthError(403, "role_not_allowed", f"this route needs the '{role}' role")
+
+
+def mint_token(
+    keyring: KeyRing,
+    tiers: TierTable,
+    *,
+    tenant_id: str,
+    tier: str,
+    roles: Iterable[str] = (),
+    session_id: str | None = None,
+    ttl_seconds: float = 3600,
+    kid: str | None = None,
+    settings: AuthSettings | None = None,
+    now: float | None = None,
+) -> str:
+    """A signed token that `Authenticator.verify` accepts, for operators and tests."""
+    if tier not in tiers:
+        raise KeyConfigError(f"unknown tier {tier!r} (tiers: {', '.join(tiers)})")
+    for value, what in ((tenant_id, "tenant"), (session_id, "session")):
+        if value is not None and not _ID_RE.match(value):
+            raise KeyConfigError(f"{what} id must be 1-128 characters of [A-Za-z0-9._:@-]")
+    role_list = sorted(set(roles))
+    unknown = set(role_list) - ROLES
+    if unknown:
+        raise KeyConfigError(f"unknown role(s) {sorted(unknown)} (roles: {sorted(ROLES)})")
+    if ttl_seconds <= 0:
+        raise KeyConfigError("ttl must be positive")
+    chosen = kid if kid is not None else keyring.signing_kid
+    key = keyring.keys.get(chosen)
+    if key is None:
+        raise KeyConfigError(f"no key with kid {chosen!r} in the key ring")
+    if key.sign_key is None:
+        raise KeyConfigError(f"key {chosen!r} has no private part: it can verify but not sign")
+    settings = settings or AuthSettings()
+    issued = int(time.time() if now is None else now)
+    claims: dict[str, Any] = {
+        "tenant_id": tenant_id,
+        "tier": tier,
+        "iat": issued,
+        "exp": issued + int(ttl_seconds),
+        "jti": uuid.uuid4().hex,
+    }
+    if role_list:
+        claims["roles"] = role_list
+    if session_id is not None:
+        claims["session_id"] = session_id
+    if settings.issuer:
+        claims["iss"] = settings.issuer
+    if settings.audience:
+        claims["aud"] = settings.audience
+    headers = {"kid": key.kid} if key.kid is not None else None
+    return jwt.encode(claims, key.sign_key, algorithm=key.algorithm, headers=headers)

@@ -1,0 +1,83 @@
+"""The `kvlease` command: argument parsing and dispatch only.
+
+Configuration errors end with exit status 2 and a one-line message on stderr,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from engine.auth import AuthSettings, KeyConfigError, KeyRing, mint_token
+from engine.runtime import VllmVersionError
+from engine.tenancy import TierConfigError, TierTable
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvlease", description="Tenant-aware KV-cache scheduling for a shared vLLM engine."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    token = sub.add_parser(
+        "token",
+        help="mint a tenant JWT signed with the configured key",
+        description="Mint a JWT for a tenant. Key: $KVLEASE_JWT_SECRET or --jwt-keys. "
+        "Prints only the token.",
+    )
+    token.add_argument("--tenant", required=True, help="tenant id (the token's tenant_id)")
+    token.add_argument("--tier", required=True, help="a tier name from the tier table")
+    token.add_argument("--roles", default="", help="comma-separated: admin, finance")
+    token.add_argument("--session", default=None, help="chat session id (optional)")
+    token.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds (3600)")
+    token.add_argument("--kid", default=None, help="signing key id in the key ring")
+    token.add_argument("--jwt-keys", default=None, help="JWKS key-ring file ($KVLEASE_JWT_KEYS)")
+    _add_tiers_arg(token)
+
+    demo = sub.add_parser("demo", help="build the demo model and answer one tenant's chat")
+    demo.add_argument("--model", default=None, help="local path or hub id (default: demo model)")
+    _add_tiers_arg(demo)
+    return parser
+
+
+def _add_tiers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiers", default=None, help="tier table TOML ($KVLEASE_TIERS)")
+
+
+def _token(args: argparse.Namespace) -> int:
+    tiers = TierTable.load(args.tiers)
+    keyring = KeyRing.from_config(args.jwt_keys)
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()]
+    print(
+        mint_token(
+            keyring,
+            tiers,
+            tenant_id=args.tenant,
+            tier=args.tier,
+            roles=roles,
+            session_id=args.session,
+            ttl_seconds=args.ttl,
+            kid=args.kid,
+            settings=AuthSettings.from_env(),
+        )
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "token":
+            return _token(args)
+        from engine.demo import run_demo
+
+        return run_demo(model=args.model, tiers_path=args.tiers)
+    except (KeyConfigError, TierConfigError, VllmVersionError) as exc:
+        print(f"kvlease {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

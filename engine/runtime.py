@@ -1,0 +1,50 @@
+"""Starting vLLM safely: the version pin and the process environment it needs.
+
+kvlease's scheduler reaches into vLLM internals that change between releases,
+so a different vLLM must fail at start with a message that says what to
+install, not later with an AttributeError deep inside the engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+VLLM_VERSION = "0.32.0"
+
+# What vLLM on a CPU-only machine needs before it starts (DESIGN.md, "Running vLLM").
+CPU_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; without it the CPU memory check fails
+}
+
+
+class VllmVersionError(RuntimeError):
+    """The installed vLLM is missing or not the release kvlease is pinned to."""
+
+
+def check_vllm_version(found: str | None) -> None:
+    """Raise unless `found` is the pinned release (a local suffix like +cpu is fine)."""
+    fix = "install it with: pip install 'kvlease[cpu]' (CPU) or 'kvlease[gpu]' (CUDA)"
+    if found is None:
+        raise VllmVersionError(f"vLLM is not installed; kvlease needs vLLM {VLLM_VERSION}: {fix}")
+    if found.split("+", 1)[0] != VLLM_VERSION:
+        raise VllmVersionError(
+            f"kvlease needs vLLM {VLLM_VERSION} but found {found}; its scheduler hooks are "
+            f"tied to that release: {fix}"
+        )
+
+
+def require_vllm() -> None:
+    """Check the installed vLLM against the pin (imports vllm: about 10 s the first time)."""
+    try:
+        import vllm
+    except ImportError:
+        found = None
+    else:
+        found = getattr(vllm, "__version__", "unknown")
+    check_vllm_version(found)
+
+
+def prepare_environment() -> None:
+    """Set vLLM's CPU-machine defaults, leaving any value the user set alone."""
+    for name, value in CPU_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)

@@ -1,0 +1,197 @@
+"""Tiers and tenants: what a tier promises, and who a request belongs to.
+
+The tier table is the single source of priorities, lease lengths, leased-cache
+caps and prices. The scheduler reads priorities and leases from it, the ledger
+reads prices from it, and clients never supply any of these themselves: a
+token names a tier, the table says what that tier means.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+TIERS_ENV = "KVLEASE_TIERS"
+
+_TOP_KEYS = frozenset({"currency", "tiers"})
+_TIER_KEYS = frozenset({"priority", "lease_seconds", "leased_cache_cap", "prices"})
+_PRICE_KEYS = ("input_per_1k", "cached_input_per_1k", "output_per_1k", "block_hour")
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+_CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
+
+
+class TierConfigError(ValueError):
+    """The tier table cannot be used; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Unit prices in the table's currency. Decimals, so bills never drift."""
+
+    input_per_1k: Decimal
+    cached_input_per_1k: Decimal
+    output_per_1k: Decimal
+    block_hour: Decimal
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One service tier. `priority` 0 is the most important (vLLM's convention)."""
+
+    name: str
+    priority: int
+    lease_seconds: float
+    leased_cache_cap: float
+    prices: Prices
+
+
+@dataclass(frozen=True)
+class TenantContext:
+    """The verified identity of a request: the only source of tenant fields.
+
+    `extra_args()` is the wire contract with the scheduler: it becomes
+    `SamplingParams.extra_args` (`vllm_xargs` on the HTTP API).
+    """
+
+    tenant_id: str
+    tier: str
+    roles: frozenset[str] = field(default_factory=frozenset)
+    session_id: str | None = None
+
+    def extra_args(self) -> dict[str, str]:
+        args = {"tenant_id": self.tenant_id, "tier": self.tier}
+        if self.session_id is not None:
+            args["session_id"] = self.session_id
+        return args
+
+
+@dataclass(frozen=True)
+class TierTable(Mapping[str, Tier]):
+    """Tiers by name, in priority order (most important first).
+
+    Invariant: names match `[a-z][a-z0-9_-]*`, priorities are distinct
+    non-negative integers, every tier has all four prices.
+    """
+
+    currency: str
+    tiers: Mapping[str, Tier]
+    source: str
+
+    def __getitem__(self, name: str) -> Tier:
+        return self.tiers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tiers)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None = None) -> TierTable:
+        """Load `path`, else `$KVLEASE_TIERS`, else the shipped default."""
+        chosen = path or os.environ.get(TIERS_ENV)
+        if chosen:
+            file = Path(chosen)
+            try:
+                text = file.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise TierConfigError(f"{file}: cannot read tier table: {exc.strerror}") from exc
+            return cls.from_toml(text, source=str(file))
+        default = resources.files("engine").joinpath("tiers.toml")
+        return cls.from_toml(default.read_text(encoding="utf-8"), source="<shipped default>")
+
+    @classmethod
+    def from_toml(cls, text: str, source: str = "<string>") -> TierTable:
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise TierConfigError(f"{source}: not valid TOML: {exc}") from exc
+        return cls.from_dict(doc, source)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], source: str = "<dict>") -> TierTable:
+        def fail(msg: str) -> TierConfigError:
+            return TierConfigError(f"{source}: {msg}")
+
+        _reject_unknown(doc, _TOP_KEYS, "top level", fail)
+        currency = doc.get("currency")
+        if not isinstance(currency, str) or not _CURRENCY_RE.match(currency):
+            raise fail("'currency' must be a three-letter ISO 4217 code such as \"USD\"")
+        raw_tiers = doc.get("tiers")
+        if not isinstance(raw_tiers, Mapping) or not raw_tiers:
+            raise fail("'tiers' must be a table with at least one tier, e.g. [tiers.free]")
+
+        parsed = [_parse_tier(name, body, fail) for name, body in raw_tiers.items()]
+        by_priority: dict[int, str] = {}
+        for tier in parsed:
+            if tier.priority in by_priority:
+                raise fail(
+                    f"duplicate priority {tier.priority}: tiers '{by_priority[tier.priority]}' "
+                    f"and '{tier.name}' (each tier needs its own priority)"
+                )
+            by_priority[tier.priority] = tier.name
+        ordered = {t.name: t for t in sorted(parsed, key=lambda t: t.priority)}
+        return cls(currency=currency, tiers=ordered, source=source)
+
+
+def _reject_unknown(table: Mapping[str, Any], allowed: frozenset[str], where: str, fail) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise fail(f"unknown key '{unknown[0]}' in {where} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _number(value: Any, where: str, fail) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
+def _parse_tier(name: str, body: Any, fail) -> Tier:
+    where = f"tier '{name}'"
+    if not _NAME_RE.match(name):
+        raise fail(f"{where}: name must match [a-z][a-z0-9_-]* (at most 32 characters)")
+    if not isinstance(body, Mapping):
+        raise fail(f"{where} must be a table")
+    _reject_unknown(body, _TIER_KEYS, where, fail)
+    for key in sorted(_TIER_KEYS):
+        if key not in body:
+            raise fail(f"{where}: missing key '{key}'")
+
+    priority = body["priority"]
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise fail(f"{where}: 'priority' must be a non-negative integer, got {priority!r}")
+    lease = _number(body["lease_seconds"], f"{where}: 'lease_seconds'", fail)
+    if lease < 0:
+        raise fail(f"{where}: 'lease_seconds' must be >= 0, got {body['lease_seconds']!r}")
+    cap = _number(body["leased_cache_cap"], f"{where}: 'leased_cache_cap'", fail)
+    if not 0.0 <= cap <= 1.0:
+        raise fail(f"{where}: 'leased_cache_cap' is a fraction of the pool, 0 to 1; got {cap!r}")
+    return Tier(name, priority, lease, cap, _parse_prices(body["prices"], where, fail))
+
+
+def _parse_prices(body: Any, where: str, fail) -> Prices:
+    if not isinstance(body, Mapping):
+        raise fail(f"{where}: 'prices' must be a table")
+    _reject_unknown(body, frozenset(_PRICE_KEYS), f"{where} prices", fail)
+    values: dict[str, Decimal] = {}
+    for key in _PRICE_KEYS:
+        if key not in body:
+            raise fail(f"{where}: missing price '{key}'")
+        raw = body[key]
+        if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+            raise fail(f"{where}: price '{key}' must be a decimal string or number, got {raw!r}")
+        try:
+            price = Decimal(str(raw))
+        except InvalidOperation:
+            raise fail(f"{where}: price '{key}' is not a decimal: {raw!r}") from None
+        if not price.is_finite() or price < 0:
+            raise fail(f"{where}: price '{key}' must be a finite amount >= 0, got {raw!r}")
+        values[key] = price
+    return Prices(**values)

@@ -1,0 +1,1 @@
+"""Everything that leaves the engine process: metrics, traces, the usage ledger."""

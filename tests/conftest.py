@@ -1,0 +1,33 @@
+"""Shared fixtures: the shipped tier table and an HS256 key ring.
+
+Keys are generated per test session; no key material is stored in the repo.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from engine.auth import Authenticator, KeyRing
+from engine.tenancy import TierTable
+
+
+@pytest.fixture(scope="session")
+def tiers() -> TierTable:
+    return TierTable.load()
+
+
+@pytest.fixture(scope="session")
+def secret() -> str:
+    return secrets.token_urlsafe(48)
+
+
+@pytest.fixture(scope="session")
+def hs_ring(secret: str) -> KeyRing:
+    return KeyRing.from_secret(secret)
+
+
+@pytest.fixture
+def auth(hs_ring: KeyRing, tiers: TierTable) -> Authenticator:
+    return Authenticator(hs_ring, tiers)

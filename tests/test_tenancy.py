@@ -1,0 +1,117 @@
+from decimal import Decimal
+
+import pytest
+
+from engine.tenancy import TenantContext, TierConfigError, TierTable
+
+VALID = """
+currency = "EUR"
+[tiers.gold]
+priority = 0
+lease_seconds = 120
+leased_cache_cap = 0.4
+[tiers.gold.prices]
+input_per_1k = "0.002"
+cached_input_per_1k = "0.001"
+output_per_1k = 0.004
+block_hour = "0.01"
+[tiers.bronze]
+priority = 5
+lease_seconds = 0
+leased_cache_cap = 0
+[tiers.bronze.prices]
+input_per_1k = 0
+cached_input_per_1k = 0
+output_per_1k = 0
+block_hour = 0
+"""
+
+
+def test_shipped_default_has_three_tiers_in_priority_order(tiers):
+    assert list(tiers) == ["premium", "standard", "free"]
+    assert [tiers[n].priority for n in tiers] == [0, 1, 2]
+    assert [tiers[n].lease_seconds for n in tiers] == [300, 60, 0]
+    assert tiers.currency == "USD"
+    assert tiers["premium"].prices.output_per_1k == Decimal("0.0060")
+
+
+def test_prices_are_exact_decimals_even_when_written_as_floats():
+    table = TierTable.from_toml(VALID)
+    assert table["gold"].prices.output_per_1k == Decimal("0.004")
+    assert isinstance(table["gold"].prices.block_hour, Decimal)
+
+
+def test_load_prefers_explicit_path_over_environment(tmp_path, monkeypatch):
+    explicit = tmp_path / "explicit.toml"
+    explicit.write_text(VALID)
+    env_file = tmp_path / "env.toml"
+    env_file.write_text(VALID.replace('"EUR"', '"GBP"'))
+    monkeypatch.setenv("KVLEASE_TIERS", str(env_file))
+    assert TierTable.load().currency == "GBP"
+    assert TierTable.load(explicit).currency == "EUR"
+    assert list(TierTable.load(explicit)) == ["gold", "bronze"]
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(TierConfigError, match=r"nope\.toml: cannot read tier table"):
+        TierTable.load(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: "colour = 'red'\n" + s, "unknown key 'colour' in top level"),
+        (
+            lambda s: s.replace("lease_seconds = 120", "lease_seconds = 120\nburst = 3"),
+            "unknown key 'burst' in tier 'gold'",
+        ),
+        (
+            lambda s: s.replace('block_hour = "0.01"', 'block_hour = "0.01"\nper_image = 1'),
+            "unknown key 'per_image' in tier 'gold' prices",
+        ),
+        (
+            lambda s: s.replace("lease_seconds = 120", "lease_seconds = -1"),
+            "'lease_seconds' must be >= 0",
+        ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 0"),
+            "duplicate priority 0: tiers 'gold' and 'bronze'",
+        ),
+        (
+            lambda s: s.replace("output_per_1k = 0.004\n", ""),
+            "tier 'gold': missing price 'output_per_1k'",
+        ),
+        (lambda s: s.replace("leased_cache_cap = 0.4", ""), "tier 'gold': missing key"),
+        (
+            lambda s: s.replace("leased_cache_cap = 0.4", "leased_cache_cap = 1.5"),
+            "fraction of the pool",
+        ),
+        (lambda s: s.replace("priority = 0", "priority = true"), "non-negative integer"),
+        (lambda s: s.replace("priority = 0", "priority = -1"), "non-negative integer"),
+        (lambda s: s.replace('"0.002"', '"cheap"'), "is not a decimal"),
+        (lambda s: s.replace('"0.002"', '"-0.002"'), "must be a finite amount >= 0"),
+        (lambda s: s.replace('"0.002"', '"NaN"'), "must be a finite amount >= 0"),
+        (lambda s: s.replace('"EUR"', '"euro"'), "three-letter ISO 4217"),
+        (
+            lambda s: s.replace("[tiers.gold]", "[tiers.Gold]").replace(
+                "[tiers.gold.prices]", "[tiers.Gold.prices]"
+            ),
+            "name must match",
+        ),
+        (lambda s: s.replace("[tiers.gold]", "[tiers.gold"), "not valid TOML"),
+        (lambda s: 'currency = "EUR"\n', "'tiers' must be a table"),
+    ],
+)
+def test_invalid_tier_files_fail_with_a_precise_message(tmp_path, edit, message):
+    path = tmp_path / "tiers.toml"
+    path.write_text(edit(VALID))
+    with pytest.raises(TierConfigError) as err:
+        TierTable.load(path)
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_tenant_context_extra_args_is_the_scheduler_contract():
+    assert TenantContext("acme", "premium").extra_args() == {"tenant_id": "acme", "tier": "premium"}
+    ctx = TenantContext("acme", "free", frozenset({"admin"}), "s-1")
+    assert ctx.extra_args() == {"tenant_id": "acme", "tier": "free", "session_id": "s-1"}
