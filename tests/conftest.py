@@ -31,3 +31,30 @@ def hs_ring(secret: str) -> KeyRing:
 @pytest.fixture
 def auth(hs_ring: KeyRing, tiers: TierTable) -> Authenticator:
     return Authenticator(hs_ring, tiers)
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> str:
+    from engine.demo_model import ensure_demo_model
+
+    return str(ensure_demo_model(tmp_path_factory.mktemp("kvlease-home") / "demo"))
+
+
+@pytest.fixture(scope="session")
+def stock_engine(demo_model):
+    from engines import RecordingScheduler, start_engine
+
+    return start_engine(demo_model, RecordingScheduler)
+
+
+@pytest.fixture(scope="session")
+def kvlease_engine(demo_model):
+    from engines import recording, start_engine
+
+    from engine.vllm_scheduler import TenantAwareScheduler
+
+    return start_engine(
+        demo_model,
+        recording(TenantAwareScheduler),
+        additional_config={"kvlease": {"debug_accounting": True}},
+    )

@@ -1,0 +1,278 @@
+"""A drop-in replacement for vLLM's free-block queue that protects leased prefixes.
+
+vLLM keeps free KV blocks in one doubly linked list, `FreeKVCacheBlockQueue`,
+in eviction order: blocks without a reusable prefix at the front, cached
+prefix blocks behind them in LRU order. Allocation pops from the front, and a
+popped block that still holds a prefix is evicted from the prefix cache.
+
+`TenantFreeBlockQueue` keeps the same single list and the same interface, and
+adds separator nodes that split it into segments, evicted in this order:
+
+    EMPTY | CACHED | LEASED(least important leased tier) | ... | LEASED(most important)
+
+A cached block freed by a session whose lease is running goes to its tier's
+LEASED segment (while that tier is under its cap), so it is evicted only after
+every EMPTY and CACHED block. When the lease expires its blocks move to the
+front of CACHED: they are at least `lease_seconds` old, the stalest prefixes.
+With no owner set, every append lands in CACHED and the queue behaves exactly
+like vLLM's (a differential test checks this).
+
+It does not import vLLM: blocks are duck-typed (`block_id`, `block_hash`,
+`prev_free_block`, `next_free_block`), like the ones vLLM's queue links.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.policy import EvictionClass, eviction_class
+
+Block = Any  # vllm.v1.core.kv_cache_utils.KVCacheBlock
+
+EMPTY = int(EvictionClass.EMPTY)
+CACHED = int(EvictionClass.CACHED)
+FIRST_LEASED = int(EvictionClass.LEASED)
+
+
+@dataclass(eq=False, slots=True)
+class Holder:
+    """The owner of freed cached blocks: one tenant session (or tenant).
+
+    The scheduler keeps one Holder per session and sets `protected` while the
+    session's lease runs. The queue keeps the block counts current, so
+    per-tenant occupancy is read off holders in O(holders), not O(blocks).
+    """
+
+    tenant_id: str | None
+    tier: str | None
+    session_id: str | None
+    leased_segment: int | None  # segment of this tier's leases; None: tier has no lease
+    protected: bool = False
+    in_flight: int = 0  # requests of this session in the engine
+    cached: int = 0  # blocks in CACHED
+    leased: int = 0  # blocks in a LEASED segment
+    evicted_cached: int = 0  # cumulative
+    evicted_leased: int = 0  # cumulative
+    pending_cached: int = 0  # evictions not yet reported as events
+    pending_leased: int = 0
+
+
+class _Separator:
+    """A fake block at a segment boundary; never handed out (block_id -1, as vLLM's)."""
+
+    __slots__ = ("block_id", "next_free_block", "prev_free_block", "segment")
+
+    def __init__(self, segment: int) -> None:
+        self.block_id = -1
+        self.segment = segment
+        self.prev_free_block: Any = None
+        self.next_free_block: Any = None
+
+
+class TenantFreeBlockQueue:
+    """vLLM's free-block queue with EMPTY / CACHED / LEASED segments.
+
+    Invariants: the list runs HEAD, blocks and separators in segment order,
+    TAIL; `num_free_blocks` counts real blocks; `_segment[b]` is the segment of
+    every free block b and `_owner[b]` its Holder (None for EMPTY blocks and
+    blocks freed with no owner); each Holder's `cached`/`leased` equal the
+    blocks it owns in those segments; `_leased_count[s] <= _cap[s]`.
+
+    Costs: popleft is O(segments) (a small constant: tiers + 2), remove,
+    append and prepend are O(1); none allocates. Lease release is O(blocks in
+    that tier's segment) and happens once per lease expiry, off the hot path.
+    """
+
+    def __init__(self, blocks: Sequence[Block], num_blocks: int, leased_caps: Sequence[int] = ()):
+        """`leased_caps[i]` caps LEASED segment FIRST_LEASED + i (least important tier first)."""
+        nseg = FIRST_LEASED + len(leased_caps)
+        self._seps = [_Separator(s) for s in range(nseg)] + [_Separator(nseg)]
+        self._head, self._tail = self._seps[0], self._seps[-1]
+        for a, b in zip(self._seps, self._seps[1:], strict=False):
+            a.next_free_block, b.prev_free_block = b, a
+        self._cap = [0] * FIRST_LEASED + list(leased_caps)
+        self._leased_count = [0] * nseg
+        self._segment = [EMPTY] * num_blocks
+        self._owner: list[Holder | None] = [None] * num_blocks
+        self.num_free_blocks = 0
+        self.owner: Holder | None = None  # who is freeing blocks right now (set by the scheduler)
+        self.evicting: list[Holder] = []  # holders with pending evictions to report
+        for block in blocks:
+            self._insert_before(self._seps[CACHED], block, EMPTY, None)
+
+    @classmethod
+    def replacing(cls, queue: Any, num_blocks: int, leased_caps: Sequence[int] = ()):
+        """A tenant queue holding `queue`'s free blocks in the same order."""
+        return cls(queue.get_all_free_blocks(), num_blocks, leased_caps)
+
+    # -- vLLM's FreeKVCacheBlockQueue interface ------------------------------
+
+    @property
+    def fake_free_list_head(self) -> _Separator:
+        return self._head
+
+    @property
+    def fake_free_list_tail(self) -> _Separator:
+        return self._tail
+
+    def popleft(self) -> Block:
+        node = self._head.next_free_block
+        while node.block_id < 0:
+            if node is self._tail:
+                raise ValueError("No free blocks available")
+            node = node.next_free_block
+        self._unlink(node, evicting=True)
+        return node
+
+    def popleft_n(self, n: int) -> list[Block]:
+        assert self.num_free_blocks >= n
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: Block) -> None:
+        if block.prev_free_block is None or block.next_free_block is None:
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
+        self._unlink(block, evicting=False)
+
+    def append(self, block: Block) -> None:
+        owner = self.owner
+        if owner is None or block.block_hash is None:
+            self._insert_before(self._seps[CACHED + 1], block, CACHED, None)
+            return
+        seg = owner.leased_segment
+        if seg is None or (
+            eviction_class(True, owner.protected, self._leased_count[seg], self._cap[seg])
+            is not EvictionClass.LEASED
+        ):
+            seg = CACHED
+        self._insert_before(self._seps[seg + 1], block, seg, owner)
+
+    def append_n(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def prepend_n(self, blocks: Sequence[Block]) -> None:
+        after = self._head
+        for block in blocks:
+            self._insert_before(after.next_free_block, block, EMPTY, None)
+            after = block
+
+    def get_all_free_blocks(self) -> list[Block]:
+        return list(self.iter_blocks_after(None))
+
+    def iter_blocks_after(self, cursor: Block | None) -> Iterator[Block]:
+        node = self._head.next_free_block if cursor is None else cursor.next_free_block
+        while node is not None and node is not self._tail:
+            if node.block_id >= 0:
+                yield node
+            node = node.next_free_block
+
+    # -- tenant operations ---------------------------------------------------
+
+    def release(self, holder: Holder) -> int:
+        """The holder's lease ended: move its blocks to the front of CACHED, in order."""
+        holder.protected = False
+        seg = holder.leased_segment
+        if seg is None or holder.leased == 0:
+            return 0
+        moved = []
+        node = self._seps[seg].next_free_block
+        while node is not self._seps[seg + 1]:
+            nxt = node.next_free_block
+            if self._owner[node.block_id] is holder:
+                moved.append(node)
+            node = nxt
+        after = self._seps[CACHED]
+        for block in moved:
+            self._unlink(block, evicting=False)
+            self._insert_before(after.next_free_block, block, CACHED, holder)
+            after = block
+        return len(moved)
+
+    def take_evictions(self) -> list[Holder]:
+        """Holders with evictions since the last call; the caller reads and zeroes pending_*."""
+        evicting, self.evicting = self.evicting, []
+        return evicting
+
+    def segment_sizes(self) -> list[int]:
+        sizes = [0] * (len(self._seps) - 1)
+        for block in self.iter_blocks_after(None):
+            sizes[self._segment[block.block_id]] += 1
+        return sizes
+
+    def check(self) -> None:
+        """Verify every invariant by a full walk (tests and debug mode)."""
+        seen, seg, prev = 0, -1, None
+        node = self._head
+        counts: dict[Holder, list[int]] = {}
+        leased = [0] * len(self._leased_count)
+        while node is not None:
+            assert node.prev_free_block is prev, "broken back link"
+            if node.block_id < 0:
+                assert node.segment == seg + 1, "separators out of order"
+                seg = node.segment
+            else:
+                seen += 1
+                assert self._segment[node.block_id] == seg, "block in the wrong segment"
+                owner = self._owner[node.block_id]
+                assert owner is None or seg != EMPTY, "owner recorded for an EMPTY block"
+                if owner is not None:
+                    counts.setdefault(owner, [0, 0])[0 if seg == CACHED else 1] += 1
+                if seg >= FIRST_LEASED:
+                    leased[seg] += 1
+            prev, node = node, node.next_free_block
+        assert prev is self._tail
+        assert seen == self.num_free_blocks, "num_free_blocks out of sync"
+        assert leased == self._leased_count, "leased segment counts out of sync"
+        for s in range(FIRST_LEASED, len(self._seps) - 1):
+            assert self._leased_count[s] <= self._cap[s], "leased cap exceeded"
+        for owner, (cached, in_lease) in counts.items():
+            assert (owner.cached, owner.leased) == (cached, in_lease), "holder counts out of sync"
+
+    # -- internals -----------------------------------------------------------
+
+    def _insert_before(self, nxt: Any, block: Block, seg: int, owner: Holder | None) -> None:
+        prev = nxt.prev_free_block
+        prev.next_free_block = block
+        block.prev_free_block = prev
+        block.next_free_block = nxt
+        nxt.prev_free_block = block
+        i = block.block_id
+        self._segment[i] = seg
+        self._owner[i] = owner
+        if owner is not None:
+            if seg == CACHED:
+                owner.cached += 1
+            elif seg >= FIRST_LEASED:
+                owner.leased += 1
+                self._leased_count[seg] += 1
+        self.num_free_blocks += 1
+
+    def _unlink(self, block: Block, evicting: bool) -> None:
+        prev, nxt = block.prev_free_block, block.next_free_block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+        i = block.block_id
+        owner = self._owner[i]
+        if owner is None:
+            return
+        self._owner[i] = None
+        seg = self._segment[i]
+        leased = seg >= FIRST_LEASED
+        if leased:
+            owner.leased -= 1
+            self._leased_count[seg] -= 1
+        else:
+            owner.cached -= 1
+        if evicting and block.block_hash is not None:
+            if not (owner.pending_cached or owner.pending_leased):
+                self.evicting.append(owner)
+            if leased:
+                owner.evicted_leased += 1
+                owner.pending_leased += 1
+            else:
+                owner.evicted_cached += 1
+                owner.pending_cached += 1

@@ -1,0 +1,91 @@
+"""Scheduler settings: read once when vLLM builds the scheduler.
+
+vLLM constructs the scheduler itself (in the EngineCore process), so kvlease
+cannot pass arguments to it. Settings come from vLLM's `--additional-config
+'{"kvlease": {...}}'` first, then from `KVLEASE_*` environment variables,
+then defaults. Both reach the EngineCore process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.policy import VictimRule
+from engine.tenancy import TierTable
+
+KEYS = {
+    "tiers": "KVLEASE_TIERS",
+    "victim_rule": "KVLEASE_VICTIM_RULE",
+    "debug_accounting": "KVLEASE_DEBUG_ACCOUNTING",
+    "sample_seconds": "KVLEASE_SAMPLE_SECONDS",
+    "event_capacity": "KVLEASE_EVENT_CAPACITY",
+    "effective_tflops": "KVLEASE_EFFECTIVE_TFLOPS",
+    "host_link_gbps": "KVLEASE_HOST_LINK_GBPS",
+}
+
+
+class SettingsError(ValueError):
+    """A scheduler setting is invalid; the message names the setting and its source."""
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    tiers: TierTable
+    victim_rule: VictimRule = VictimRule.LRU
+    debug_accounting: bool = False  # check the block invariant every step
+    sample_seconds: float = 0.25  # how often occupancy is integrated into block-seconds
+    event_capacity: int = 65536
+    effective_tflops: float | None = None  # for the recompute-vs-offload cost model
+    host_link_gbps: float | None = None  # GB/s device<->host, one way
+
+    @classmethod
+    def load(
+        cls, additional: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> SchedulerSettings:
+        env = os.environ if env is None else env
+        given = dict((additional or {}).get("kvlease") or {})
+        unknown = sorted(set(given) - set(KEYS))
+        if unknown:
+            raise SettingsError(
+                f"additional_config.kvlease: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})"
+            )
+        raw = {key: given.get(key, env.get(var)) for key, var in KEYS.items()}
+
+        def where(key: str) -> str:
+            return f"additional_config.kvlease.{key}" if key in given else KEYS[key]
+
+        def number(key: str, low: float, default: float | None) -> float | None:
+            value = raw[key]
+            if value in (None, ""):
+                return default
+            try:
+                out = float(value)
+            except (TypeError, ValueError):
+                raise SettingsError(f"{where(key)} must be a number, got {value!r}") from None
+            if not out > low:
+                raise SettingsError(f"{where(key)} must be > {low:g}, got {value!r}")
+            return out
+
+        try:
+            rule = VictimRule(raw["victim_rule"] or VictimRule.LRU)
+        except ValueError:
+            raise SettingsError(
+                f"{where('victim_rule')} must be 'lru' or 'least_work', got {raw['victim_rule']!r}"
+            ) from None
+        debug = str(raw["debug_accounting"] or "0").lower() in ("1", "true", "yes", "on")
+        capacity = number("event_capacity", 0, 65536)
+        assert capacity is not None
+        sample = number("sample_seconds", 0, 0.25)
+        assert sample is not None
+        return cls(
+            tiers=TierTable.load(raw["tiers"]),
+            victim_rule=rule,
+            debug_accounting=debug,
+            sample_seconds=sample,
+            event_capacity=int(capacity),
+            effective_tflops=number("effective_tflops", 0, None),
+            host_link_gbps=number("host_link_gbps", 0, None),
+        )

@@ -1,0 +1,98 @@
+"""A vLLM scheduler driven without a model: real Scheduler code, synthetic outputs.
+
+Used to test both scheduler classes (sync and async) in milliseconds and to
+check invariants at every step. Each sampled token is token id 7.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK = 32
+_ids = itertools.count()
+
+
+def make_scheduler(
+    cls: Any, model: str, num_blocks: int, max_num_seqs: int = 64, kvlease: dict | None = None
+) -> Any:
+    args = EngineArgs(
+        model=model,
+        block_size=BLOCK,
+        max_model_len=(num_blocks - 1) * BLOCK,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        additional_config={"kvlease": kvlease or {}},
+    )
+    vllm_config = args.create_engine_config()
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+    )
+    init_none_hash(sha256)
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=False,
+    )
+
+
+def make_request(
+    tenant: str | None,
+    tier: str | None,
+    prompt_len: int,
+    max_tokens: int,
+    session: str | None = None,
+    arrival: float | None = None,
+) -> Request:
+    extra = {}
+    if tenant is not None:
+        extra = {"tenant_id": tenant, "tier": tier}
+        if session:
+            extra["session_id"] = session
+    n = next(_ids)
+    return Request(
+        request_id=f"r{n}",
+        prompt_token_ids=[(n * 31 + i) % 600 + 10 for i in range(prompt_len)],
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
+        pooling_params=None,
+        arrival_time=arrival,
+        cache_salt=tenant,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+def step(scheduler: Any) -> Any:
+    """One engine step: schedule, then feed a token for each request that finished prefill."""
+    out = scheduler.schedule()
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        request = scheduler.requests[rid]
+        done_prefill = request.num_computed_tokens >= request.num_tokens
+        sampled.append([7] if done_prefill else [])
+    runner_output = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+    scheduler.update_from_output(out, runner_output)
+    return out

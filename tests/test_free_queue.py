@@ -1,0 +1,149 @@
+"""The tenant free-block queue: vLLM's behaviour without tenants, lease protection with them."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from engine.free_queue import CACHED, EMPTY, FIRST_LEASED, Holder, TenantFreeBlockQueue
+
+N = 24
+
+
+def _blocks(n=N, hashed=()):
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    for i in hashed:
+        blocks[i]._block_hash = b"h%d" % i
+    return blocks
+
+
+def _ids(queue):
+    return [b.block_id for b in queue.get_all_free_blocks()]
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["popleft", "popleft_n", "remove", "append", "append_n", "prepend_n"]),
+        st.integers(0, 10_000),
+        st.integers(0, 4),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, hashed=st.sets(st.integers(0, N - 1)))
+def test_without_owners_it_behaves_exactly_like_vllms_queue(ops, hashed):
+    ours_blocks, stock_blocks = _blocks(hashed=hashed), _blocks(hashed=hashed)
+    ours = TenantFreeBlockQueue(ours_blocks, N, leased_caps=[8, 8])
+    stock = FreeKVCacheBlockQueue(stock_blocks)
+    for op, pick, k in ops:
+        free = _ids(stock)
+        taken = sorted(set(range(N)) - set(free))
+        if op == "popleft" and free:
+            assert ours.popleft().block_id == stock.popleft().block_id
+        elif op == "popleft_n":
+            k = min(k, len(free))
+            assert [b.block_id for b in ours.popleft_n(k)] == [
+                b.block_id for b in stock.popleft_n(k)
+            ]
+        elif op == "remove" and free:
+            i = free[pick % len(free)]
+            ours.remove(ours_blocks[i])
+            stock.remove(stock_blocks[i])
+        elif op in ("append", "append_n", "prepend_n") and taken:
+            chosen = [taken[(pick + j) % len(taken)] for j in range(min(k, len(taken)) or 1)]
+            chosen = list(dict.fromkeys(chosen))
+            if op == "append":
+                chosen = chosen[:1]
+                ours.append(ours_blocks[chosen[0]])
+                stock.append(stock_blocks[chosen[0]])
+            else:
+                getattr(ours, op)([ours_blocks[i] for i in chosen])
+                getattr(stock, op)([stock_blocks[i] for i in chosen])
+        assert _ids(ours) == _ids(stock)
+        assert ours.num_free_blocks == stock.num_free_blocks
+        ours.check()
+
+
+def _taken(queue, blocks, ids):
+    for i in ids:
+        queue.remove(blocks[i])
+    return [blocks[i] for i in ids]
+
+
+def test_leased_prefixes_are_evicted_only_after_every_unleased_block():
+    blocks = _blocks(hashed=range(N))
+    queue = TenantFreeBlockQueue(blocks, N, leased_caps=[N])
+    premium = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    free_tier = Holder("bob", "free", "s2", None)
+    held = _taken(queue, blocks, range(N))  # everything allocated
+    queue.owner = premium
+    queue.append_n(held[:4])
+    queue.owner = free_tier
+    queue.append_n(held[4:8])
+    queue.owner = None
+    queue.prepend_n(held[8:])
+    queue.check()
+    assert (premium.leased, premium.cached, free_tier.cached) == (4, 0, 4)
+    order = [queue.popleft().block_id for _ in range(N)]
+    assert order[-4:] == [0, 1, 2, 3]  # the leased prefix goes last
+    assert order[-8:-4] == [4, 5, 6, 7]  # after the empty blocks, before the lease
+    assert (premium.evicted_leased, free_tier.evicted_cached) == (4, 4)
+    assert {h.tenant_id for h in queue.take_evictions()} == {"acme", "bob"}
+
+
+def test_leased_blocks_beyond_the_tier_cap_are_plain_cached():
+    blocks = _blocks(hashed=range(N))
+    queue = TenantFreeBlockQueue(blocks, N, leased_caps=[2])
+    holder = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    held = _taken(queue, blocks, range(5))
+    queue.owner = holder
+    queue.append_n(held)
+    queue.check()
+    assert (holder.leased, holder.cached) == (2, 3)
+    assert queue.segment_sizes() == [N - 5, 3, 2]
+
+
+def test_expired_lease_moves_blocks_to_the_front_of_cached_in_order():
+    blocks = _blocks(hashed=range(N))
+    queue = TenantFreeBlockQueue(blocks, N, leased_caps=[N])
+    holder = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    other = Holder("bob", "free", None, None)
+    held = _taken(queue, blocks, range(6))
+    queue.owner = other
+    queue.append_n(held[4:])
+    queue.owner = holder
+    queue.append_n(held[:4])
+    queue.owner = None
+    assert queue.release(holder) == 4
+    assert not holder.protected
+    queue.check()
+    assert (holder.leased, holder.cached) == (0, 4)
+    free = _ids(queue)
+    assert free[-6:] == [0, 1, 2, 3, 4, 5]  # stalest first within CACHED
+    assert queue.segment_sizes()[EMPTY] == N - 6
+    assert queue.segment_sizes()[CACHED] == 6
+
+
+def test_a_touched_block_leaves_its_owners_count_without_counting_an_eviction():
+    blocks = _blocks(hashed=range(N))
+    queue = TenantFreeBlockQueue(blocks, N, leased_caps=[N])
+    holder = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    held = _taken(queue, blocks, range(3))
+    queue.owner = holder
+    queue.append_n(held)
+    queue.remove(blocks[1])  # a prefix hit reuses it
+    assert (holder.leased, holder.evicted_leased) == (2, 0)
+    assert queue.take_evictions() == []
+    queue.check()
+
+
+def test_replacing_keeps_vllms_order():
+    stock_blocks = _blocks()
+    stock = FreeKVCacheBlockQueue(stock_blocks)
+    stock.popleft()
+    stock.append(stock.popleft())
+    before = _ids(stock)
+    ours = TenantFreeBlockQueue.replacing(stock, N, leased_caps=[3])  # relinks the same blocks
+    assert _ids(ours) == before
+    ours.check()

@@ -1,0 +1,157 @@
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.policy import (
+    Candidate,
+    CostModel,
+    EvictionClass,
+    VictimRule,
+    eviction_class,
+    keep_key,
+    leased_cap_blocks,
+    preemption_mode,
+    victim_order,
+)
+
+candidates = st.lists(
+    st.builds(
+        Candidate,
+        classified=st.booleans(),
+        leased=st.booleans(),
+        tier_priority=st.integers(0, 3),
+        last_activity=st.floats(0, 1e6, allow_nan=False),
+        computed_tokens=st.integers(0, 10_000),
+        seq=st.integers(0, 10**9),
+    ),
+    max_size=30,
+    unique_by=lambda c: c.seq,
+)
+rules = st.sampled_from(list(VictimRule))
+
+
+def _class(c: Candidate) -> tuple[int, int, int]:
+    if not c.classified:
+        return (0, 0, 0)
+    return (1, int(c.leased), -c.tier_priority)
+
+
+@given(cs=candidates, rule=rules, data=st.data())
+def test_victim_order_is_deterministic_whatever_the_input_order(cs, rule, data):
+    shuffled = data.draw(st.permutations(cs))
+    assert victim_order(shuffled, rule) == victim_order(cs, rule)
+
+
+@given(cs=candidates, rule=rules)
+def test_victim_order_is_total(cs, rule):
+    keys = [keep_key(c, rule) for c in cs]
+    assert len(set(keys)) == len(keys)
+
+
+@given(cs=candidates, rule=rules, extra=candidates)
+def test_adding_candidates_never_reorders_the_others(cs, rule, extra):
+    extra = [c for c in extra if c.seq not in {x.seq for x in cs}]
+    before = victim_order(cs, rule)
+    after = [c for c in victim_order(cs + extra, rule) if c in cs]
+    assert after == before
+
+
+@given(cs=candidates, rule=rules)
+def test_victims_come_unclassified_then_unleased_then_lower_tier_first(cs, rule):
+    order = victim_order(cs, rule)
+    for a, b in itertools.pairwise(order):
+        assert _class(a) <= _class(b)
+        if _class(a) == _class(b):
+            if rule is VictimRule.LRU:
+                assert a.last_activity <= b.last_activity
+            else:
+                assert a.computed_tokens <= b.computed_tokens
+
+
+def _c(seq, **kw):
+    base = dict(
+        classified=True, leased=True, tier_priority=0, last_activity=0.0, computed_tokens=0, seq=seq
+    )
+    return Candidate(**{**base, **kw})
+
+
+def test_worked_example_from_the_readme():
+    unclassified = _c(1, classified=False)
+    free = _c(2, leased=False, tier_priority=2, last_activity=5.0, computed_tokens=900)
+    standard_old = _c(3, tier_priority=1, last_activity=1.0, computed_tokens=800)
+    standard_new = _c(4, tier_priority=1, last_activity=9.0, computed_tokens=50)
+    premium = _c(5, tier_priority=0, last_activity=0.0, computed_tokens=10)
+    everyone = [premium, standard_new, standard_old, free, unclassified]
+    assert victim_order(everyone, VictimRule.LRU) == [
+        unclassified,
+        free,
+        standard_old,
+        standard_new,
+        premium,
+    ]
+    assert victim_order(everyone, VictimRule.LEAST_WORK) == [
+        unclassified,
+        free,
+        standard_new,
+        standard_old,
+        premium,
+    ]
+
+
+def test_ties_preempt_the_later_arrival_first_as_vllm_does():
+    early, late = _c(1), _c(2)
+    assert victim_order([early, late], VictimRule.LRU) == [late, early]
+
+
+def test_cpu_always_recomputes_and_records_why():
+    decision = preemption_mode(500, 32, 16_000, CostModel(), offload_available=False)
+    assert (decision.mode, decision.basis) == ("recompute", "offload_unavailable")
+
+
+def test_without_model_numbers_the_seed_threshold_decides():
+    assert preemption_mode(127, 16, 2032, CostModel(), True).mode == "recompute"
+    assert preemption_mode(128, 16, 2048, CostModel(), True).mode == "offload"
+    assert preemption_mode(128, 16, 2048, CostModel(), True).basis == "fallback_threshold"
+
+
+def test_cost_model_compares_offload_round_trip_with_recompute():
+    # Llama-3-8B-like: 128 KiB of KV per token, 8e9 params, 400 TFLOPS.
+    fast_link = CostModel(
+        kv_bytes_per_token=131_072,
+        params=8_000_000_000,
+        effective_flops=4e14,
+        host_link_bytes_per_s=5e10,
+    )
+    slow_link = CostModel(
+        kv_bytes_per_token=131_072,
+        params=8_000_000_000,
+        effective_flops=4e14,
+        host_link_bytes_per_s=1e9,
+    )
+    decision = preemption_mode(512, 16, 8192, fast_link, True)
+    assert (decision.mode, decision.basis) == ("offload", "cost_model")
+    assert decision.offload_seconds == pytest.approx(2 * 512 * 16 * 131_072 / 5e10)
+    assert decision.recompute_seconds == pytest.approx(8192 * 2 * 8e9 / 4e14)
+    assert preemption_mode(512, 16, 8192, slow_link, True).mode == "recompute"
+
+
+@pytest.mark.parametrize(
+    ("has_prefix", "leased", "used", "cap", "expected"),
+    [
+        (False, True, 0, 10, EvictionClass.EMPTY),
+        (True, False, 0, 10, EvictionClass.CACHED),
+        (True, True, 9, 10, EvictionClass.LEASED),
+        (True, True, 10, 10, EvictionClass.CACHED),
+        (True, True, 0, 0, EvictionClass.CACHED),
+    ],
+)
+def test_eviction_class(has_prefix, leased, used, cap, expected):
+    assert eviction_class(has_prefix, leased, used, cap) is expected
+
+
+def test_leased_cap_is_a_fraction_of_the_pool_rounded_down():
+    assert leased_cap_blocks(0.5, 23) == 11
+    assert leased_cap_blocks(0.0, 23) == 0
+    assert leased_cap_blocks(1.0, 23) == 23

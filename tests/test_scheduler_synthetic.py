@@ -1,0 +1,164 @@
+"""Both kvlease scheduler classes driven in-process with synthetic model outputs.
+
+Real vLLM scheduling code, no model: every invariant is checked at every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engines import FakeClock, recording
+from synthetic import make_request, make_scheduler, step
+
+from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
+
+TIERS = ("premium", "standard", "free")
+CLASSES = [TenantAwareScheduler, TenantAwareAsyncScheduler]
+
+
+def _scheduler(cls, demo_model, blocks=24, **kvlease):
+    return make_scheduler(
+        recording(cls), demo_model, blocks, kvlease={"debug_accounting": True, **kvlease}
+    )
+
+
+def _run(scheduler, limit=10_000, each_step=None) -> int:
+    steps = 0
+    while scheduler.has_requests():
+        step(scheduler)
+        scheduler._free_queue.check()
+        if each_step:
+            each_step(scheduler)
+        steps += 1
+        assert steps < limit
+    return steps
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("rule", ["lru", "least_work"])
+def test_pressure_trace_completes_with_balanced_books_and_no_premium_preempted_early(
+    cls, rule, demo_model
+):
+    scheduler = _scheduler(cls, demo_model, victim_rule=rule)
+    for i in range(12):
+        scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
+    _run(scheduler)  # debug_accounting raises AccountingError on any imbalance
+    assert scheduler.preemptions, "the trace must create pressure"
+    assert not [p for p in scheduler.preemptions if p[0] == "premium" and set(p[1]) - {"premium"}]
+    done = [e for e in scheduler.events.drain() if type(e).__name__ == "RequestDone"]
+    assert len(done) == 12 and {e.status for e in done} == {"finished_length_capped"}
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_running_stays_in_keep_first_order_every_step(cls, demo_model):
+    scheduler = _scheduler(cls, demo_model)
+
+    def ordered(s):
+        keys = [s._keep_key(r) for r in s.running]
+        assert keys == sorted(keys)
+
+    for i in range(10):
+        scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 30 + 7 * i, 120))
+        scheduler.add_request(make_request(None, None, 50, 40))  # unclassified
+    _run(scheduler, each_step=ordered)
+
+
+@pytest.mark.parametrize(
+    ("rule", "first_victim"), [("lru", "old-long"), ("least_work", "new-short")]
+)
+def test_victim_within_a_tier_follows_the_configured_rule(rule, first_victim, demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, victim_rule=rule)
+    old_long = make_request("old-long", "free", 300, 200, arrival=1.0)
+    new_short = make_request("new-short", "free", 40, 200, arrival=2.0)
+    for request in (old_long, new_short):
+        scheduler.add_request(request)
+    step(scheduler)
+    vip = make_request("vip", "premium", 400, 10, arrival=3.0)  # 13 blocks: 11 are free
+    scheduler.add_request(vip)
+    out = step(scheduler)
+    [first, *_] = [e for e in scheduler.events.drain() if type(e).__name__ == "Preemption"]
+    assert (first.tenant_id, first.reason) == (first_victim, "admit_higher_tier")
+    assert vip.request_id in out.num_scheduled_tokens  # admitted in the same step
+    assert first.request_id not in out.num_scheduled_tokens  # no thrash: the victim sits out
+    assert first.request_id in {r.request_id for r in scheduler.waiting}
+
+
+def test_unclassified_requests_are_preempted_first(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.add_request(make_request(None, None, 60, 300))
+    scheduler.add_request(make_request("f", "free", 60, 300))
+    scheduler.add_request(make_request("p", "premium", 60, 300))
+    _run(scheduler)
+    assert scheduler.preemptions[0][0] is None
+
+
+def test_unknown_tier_is_treated_as_unclassified(demo_model, caplog):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    request = make_request("acme", "platinum", 40, 4)
+    scheduler.add_request(request)
+    assert scheduler._tenancy[request.request_id].tenant_id is None
+    assert "unknown tier" in caplog.text
+    _run(scheduler)
+
+
+def test_event_overflow_is_counted_and_counters_stay_exact(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, event_capacity=3)
+    for i in range(12):
+        scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
+    _run(scheduler)
+    assert len(scheduler.events) == 3
+    assert scheduler.events.dropped > 0
+    assert sum(scheduler.accounting.preemptions.values()) == len(scheduler.preemptions)
+
+
+def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.clock = clock = FakeClock()
+    scheduler.add_request(make_request("acme", "standard", 100, 8, session="chat"))
+    _run(scheduler)
+    state = scheduler.state()
+    [lease] = state["leases"]
+    assert lease["tenant_id"] == "acme" and 59 < lease["seconds_left"] <= 60
+    assert state["tenants"]["acme"]["cached_leased"] == 3
+    clock.offset += lease["seconds_left"] - 0.01
+    step(scheduler)
+    assert scheduler.state()["leases"]
+    clock.offset += 0.02
+    step(scheduler)
+    state = scheduler.state()
+    assert state["leases"] == []
+    assert state["tenants"]["acme"] == {"running": 0, "cached_leased": 0, "cached": 3}
+    assert scheduler.reset_prefix_cache()
+    assert scheduler._holders == {}
+    assert scheduler.state()["tenants"] == {}
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_block_seconds_are_billed_for_running_and_leased_blocks_only(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.clock = clock = ManualClock()
+    scheduler.add_request(make_request("std", "standard", 64, 4, session="a"))
+    scheduler.add_request(make_request("fre", "free", 64, 4, session="b"))
+    while scheduler.has_requests():
+        clock.now += 1.0  # each step takes one second
+        step(scheduler)
+    held = dict(scheduler.accounting.block_seconds)
+    clock.now += 10.0
+    scheduler.sample_accounting()
+    after = scheduler.accounting.block_seconds
+    assert after["std"] == pytest.approx(held["std"] + 10.0 * 2)  # 2 leased blocks
+    assert after["fre"] == pytest.approx(held["fre"])  # free tier: cached, not billed
+
+
+def test_scheduler_loads_by_dotted_path_as_plain_vllm_serve_does(demo_model):
+    scheduler = make_scheduler(TenantAwareScheduler, demo_model, 24)
+    config = scheduler.vllm_config.scheduler_config
+    for cls in CLASSES:
+        config.scheduler_cls = f"engine.vllm_scheduler.{cls.__name__}"
+        assert config.get_scheduler_cls() is cls
