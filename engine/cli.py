@@ -20,6 +20,11 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="kvlease", description="Tenant-aware KV-cache scheduling for a shared vLLM engine."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "serve",
+        help="run vLLM's OpenAI server with kvlease's scheduler, auth and admin routes",
+        add_help=False,
+    )
 
     token = sub.add_parser(
         "token",
@@ -67,6 +72,11 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # every flag kvlease does not own goes to vLLM's parser
+        from engine.serve import run_serve
+
+        return run_serve(argv[1:])
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "token":

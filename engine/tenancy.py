@@ -22,6 +22,7 @@ TIERS_ENV = "KVLEASE_TIERS"
 
 _TOP_KEYS = frozenset({"currency", "tiers"})
 _TIER_KEYS = frozenset({"priority", "lease_seconds", "leased_cache_cap", "prices"})
+_OPTIONAL_TIER_KEYS = frozenset({"max_concurrent_requests"})
 _PRICE_KEYS = ("input_per_1k", "cached_input_per_1k", "output_per_1k", "block_hour")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
@@ -50,6 +51,7 @@ class Tier:
     lease_seconds: float
     leased_cache_cap: float
     prices: Prices
+    max_concurrent_requests: int | None = None  # per tenant; None: unlimited
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ def _parse_tier(name: str, body: Any, fail) -> Tier:
         raise fail(f"{where}: name must match [a-z][a-z0-9_-]* (at most 32 characters)")
     if not isinstance(body, Mapping):
         raise fail(f"{where} must be a table")
-    _reject_unknown(body, _TIER_KEYS, where, fail)
+    _reject_unknown(body, _TIER_KEYS | _OPTIONAL_TIER_KEYS, where, fail)
     for key in sorted(_TIER_KEYS):
         if key not in body:
             raise fail(f"{where}: missing key '{key}'")
@@ -173,7 +175,10 @@ def _parse_tier(name: str, body: Any, fail) -> Tier:
     cap = _number(body["leased_cache_cap"], f"{where}: 'leased_cache_cap'", fail)
     if not 0.0 <= cap <= 1.0:
         raise fail(f"{where}: 'leased_cache_cap' is a fraction of the pool, 0 to 1; got {cap!r}")
-    return Tier(name, priority, lease, cap, _parse_prices(body["prices"], where, fail))
+    limit = body.get("max_concurrent_requests")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise fail(f"{where}: 'max_concurrent_requests' must be an integer >= 1, got {limit!r}")
+    return Tier(name, priority, lease, cap, _parse_prices(body["prices"], where, fail), limit)
 
 
 def _parse_prices(body: Any, where: str, fail) -> Prices:

@@ -1,7 +1,7 @@
 """kvlease inside vLLM 0.32's V1 scheduler: the only module that knows vLLM internals.
 
-Load it with `scheduler_cls="engine.vllm_scheduler.TenantAwareScheduler"` (or
-`TenantAwareAsyncScheduler` when vLLM schedules asynchronously). It overrides
+Load it with `scheduler_cls="engine.vllm_scheduler.TenantAwareScheduler"`; where
+vLLM schedules asynchronously that builds `TenantAwareAsyncScheduler`. It overrides
 as little of vLLM as it can and copies none of `schedule()`:
 
 - `running` is kept in keep-first order (`engine.policy.keep_key`), so vLLM's
@@ -40,7 +40,14 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from engine.accounting import TenantAccounting, TenantBlocks  # noqa: E402
-from engine.events import EventBuffer, Eviction, LeaseEvent, Preemption, RequestDone  # noqa: E402
+from engine.events import (  # noqa: E402
+    EventBuffer,
+    Eviction,
+    LeaseEvent,
+    Preemption,
+    RequestDone,
+    event_dict,
+)
 from engine.free_queue import FIRST_LEASED, Holder, TenantFreeBlockQueue  # noqa: E402
 from engine.leases import LeaseBook  # noqa: E402
 from engine.policy import (  # noqa: E402
@@ -54,6 +61,7 @@ from engine.policy import (  # noqa: E402
 )
 from engine.settings import SchedulerSettings  # noqa: E402
 from engine.waiting_queue import TenantWaitingQueue  # noqa: E402
+from exporters.channel import Publisher  # noqa: E402
 
 logger = logging.getLogger("kvlease.scheduler")
 
@@ -122,6 +130,8 @@ class TenantSchedulingMixin:
         self._caps = [leased_cap_blocks(t.leased_cache_cap, usable) for t in leased]
         self._free_queue = self._install_free_queue()
         self._cost = _cost_model(self.vllm_config, self.kvlease)
+        self._publisher = Publisher.from_env()
+        self._unsent: list[dict] = []
         self._offload_available = self.vllm_config.kv_transfer_config is not None
         logger.info(
             "kvlease scheduler: tiers %s, victim rule %s, pool %d blocks, leased caps %s",
@@ -130,6 +140,8 @@ class TenantSchedulingMixin:
             usable,
             dict(zip(self._lease_segment, self._caps, strict=True)),
         )
+        if self._publisher is not None:
+            self._publish(with_state=True)  # so /admin/state answers before the first step
 
     def _install_free_queue(self) -> TenantFreeBlockQueue:
         """Replace the pool's free queue with a tenant queue holding the same blocks, in order."""
@@ -229,10 +241,45 @@ class TenantSchedulingMixin:
             if held:
                 self.waiting.prepend_requests(held)
         self._report_evictions()
-        now = self.clock()
-        if self.kvlease.debug_accounting or now - self._last_sample >= self.kvlease.sample_seconds:
-            self.sample_accounting()
         return output
+
+    def update_from_output(self, *args: Any, **kwargs: Any):
+        outputs = super().update_from_output(*args, **kwargs)
+        # Sample on the clock, and whenever the engine goes idle: no step follows
+        # to report the final picture.
+        sample_due = (
+            self.clock() - self._last_sample >= self.kvlease.sample_seconds
+            or not self.has_requests()
+        )
+        if self.kvlease.debug_accounting or sample_due:
+            self.sample_accounting()
+        if self._publisher is not None:
+            self._publish(with_state=sample_due)
+        return outputs
+
+    def finish_requests(self, *args: Any, **kwargs: Any):
+        """Aborts arrive here, between steps; report them even if no step follows."""
+        finished = super().finish_requests(*args, **kwargs)
+        if self._publisher is not None and finished:
+            self._publish(with_state=not self.has_requests())
+        return finished
+
+    def _publish(self, with_state: bool) -> None:
+        """Send this step's events (and a snapshot when due) to the API process."""
+        events = [event_dict(e) for e in self.events.drain()]
+        if not (events or with_state or self._unsent):
+            return
+        message: dict[str, Any] = {"events": events}
+        if with_state:
+            message["state"] = self.state(sample=not self.has_requests())
+        pending = [*self._unsent, message]
+        while pending and self._publisher.send(pending[0]):
+            pending.pop(0)
+        overflow = sum(len(m["events"]) for m in pending) - self.kvlease.event_capacity
+        while overflow > 0 and pending:  # the API process is not reading: bound the backlog
+            self.events.dropped += len(pending[0]["events"])
+            overflow -= len(pending.pop(0)["events"])
+        self._unsent = pending
 
     def _pool_may_run_short(self) -> bool:
         """True unless this step cannot possibly need a preemption."""
@@ -449,23 +496,38 @@ class TenantSchedulingMixin:
             check=self.kvlease.debug_accounting,
         )
 
-    def state(self) -> dict[str, Any]:
-        """A JSON-ready picture of the pool, leases and queues (for /admin/state)."""
-        snap = self.sample_accounting()
+    def state(self, sample: bool = True) -> dict[str, Any]:
+        """A JSON-ready picture of the pool, leases, queues and cumulative totals.
+
+        `expires_at` is on the machine's monotonic clock, which every process
+        shares, so a reader can count seconds left itself; `seconds_left` is
+        as of `at` (None while a request of the session is in flight).
+        """
+        snap = (
+            self.sample_accounting()
+            if sample or self.accounting.last is None
+            else (self.accounting.last)
+        )
+        now = self.clock()
         leases = []
         for session in self.leases.sessions():
             tenant_id, session_id = session
             holder = self._holders.get(session)
+            left = self.leases.seconds_left(session)
             leases.append(
                 {
                     "tenant_id": tenant_id,
                     "session_id": session_id,
                     "tier": holder.tier if holder else None,
-                    "seconds_left": self.leases.seconds_left(session),
+                    "in_flight": left == float("inf"),
+                    "expires_at": None if left is None or left == float("inf") else now + left,
+                    "seconds_left": None if left == float("inf") else left,
                     "cached_leased_blocks": holder.leased if holder else 0,
                 }
             )
+        acc = self.accounting
         return {
+            "at": now,
             "pool_blocks": snap.pool_blocks,
             "free_blocks": snap.free_blocks,
             "tenants": {
@@ -479,6 +541,13 @@ class TenantSchedulingMixin:
                 zip([*self.kvlease.tiers, None], self.waiting.bucket_sizes(), strict=True)
             ),
             "events_dropped": self.events.dropped,
+            "totals": {
+                "preemptions": [[*k, n] for k, n in acc.preemptions.items()],
+                "preempted_blocks": [[t, n] for t, n in acc.preempted_blocks.items()],
+                "discarded_tokens": [[t, n] for t, n in acc.discarded_tokens.items()],
+                "evicted_blocks": [[*k, n] for k, n in acc.evicted_blocks.items()],
+                "block_seconds": [[t, s] for t, s in acc.block_seconds.items()],
+            },
         }
 
 
@@ -510,8 +579,22 @@ def _cost_model(vllm_config: Any, settings: SchedulerSettings) -> CostModel:
 
 
 class TenantAwareScheduler(TenantSchedulingMixin, Scheduler):
-    """kvlease on vLLM's synchronous scheduler (the CPU platform always uses this one)."""
+    """kvlease on vLLM's scheduler: the one name to pass as `scheduler_cls`.
+
+    vLLM decides whether it schedules asynchronously (GPU: by default) before
+    it builds the scheduler, and a plain `Scheduler` subclass would silently
+    turn that off. So constructing this class where
+    `scheduler_config.async_scheduling` is on returns a
+    `TenantAwareAsyncScheduler` instead. Subclasses are built as they are.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is TenantAwareScheduler and vllm_config.scheduler_config.async_scheduling:
+            cls = TenantAwareAsyncScheduler
+        return super().__new__(cls)
 
 
-class TenantAwareAsyncScheduler(TenantSchedulingMixin, AsyncScheduler):
-    """kvlease on vLLM's async scheduler: use it where vLLM schedules asynchronously (GPU)."""
+class TenantAwareAsyncScheduler(TenantAwareScheduler, AsyncScheduler):
+    """kvlease on vLLM's async scheduler (what `TenantAwareScheduler` becomes where
+    vLLM schedules asynchronously)."""

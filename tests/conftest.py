@@ -34,10 +34,20 @@ def auth(hs_ring: KeyRing, tiers: TierTable) -> Authenticator:
 
 
 @pytest.fixture(scope="session")
-def demo_model(tmp_path_factory) -> str:
-    from engine.demo_model import ensure_demo_model
+def kvlease_home(tmp_path_factory):
+    """A KVLEASE_HOME for the test session, with the demo model built where kvlease looks."""
+    from engine.demo_model import BUILD_ID, ensure_demo_model
 
-    return str(ensure_demo_model(tmp_path_factory.mktemp("kvlease-home") / "demo"))
+    home = tmp_path_factory.mktemp("kvlease-home")
+    ensure_demo_model(home / "models" / BUILD_ID)
+    return home
+
+
+@pytest.fixture(scope="session")
+def demo_model(kvlease_home) -> str:
+    from engine.demo_model import BUILD_ID
+
+    return str(kvlease_home / "models" / BUILD_ID)
 
 
 @pytest.fixture(scope="session")

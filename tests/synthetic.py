@@ -24,7 +24,12 @@ _ids = itertools.count()
 
 
 def make_scheduler(
-    cls: Any, model: str, num_blocks: int, max_num_seqs: int = 64, kvlease: dict | None = None
+    cls: Any,
+    model: str,
+    num_blocks: int,
+    max_num_seqs: int = 64,
+    kvlease: dict | None = None,
+    async_scheduling: bool = False,
 ) -> Any:
     args = EngineArgs(
         model=model,
@@ -39,6 +44,7 @@ def make_scheduler(
     )
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    vllm_config.scheduler_config.async_scheduling = async_scheduling  # the CPU turns it off
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,

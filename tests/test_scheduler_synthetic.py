@@ -162,3 +162,14 @@ def test_scheduler_loads_by_dotted_path_as_plain_vllm_serve_does(demo_model):
     for cls in CLASSES:
         config.scheduler_cls = f"engine.vllm_scheduler.{cls.__name__}"
         assert config.get_scheduler_cls() is cls
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_one_class_name_builds_the_variant_matching_vllms_async_setting(
+    async_scheduling, demo_model
+):
+    scheduler = make_scheduler(
+        TenantAwareScheduler, demo_model, 24, async_scheduling=async_scheduling
+    )
+    expected = TenantAwareAsyncScheduler if async_scheduling else TenantAwareScheduler
+    assert type(scheduler) is expected

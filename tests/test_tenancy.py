@@ -33,6 +33,11 @@ def test_shipped_default_has_three_tiers_in_priority_order(tiers):
     assert [tiers[n].lease_seconds for n in tiers] == [300, 60, 0]
     assert tiers.currency == "USD"
     assert tiers["premium"].prices.output_per_1k == Decimal("0.0060")
+    assert [tiers[n].max_concurrent_requests for n in tiers] == [64, 32, 8]
+
+
+def test_concurrency_cap_is_optional():
+    assert TierTable.from_toml(VALID)["gold"].max_concurrent_requests is None
 
 
 def test_prices_are_exact_decimals_even_when_written_as_floats():
@@ -100,6 +105,10 @@ def test_missing_file_names_the_path(tmp_path):
         ),
         (lambda s: s.replace("[tiers.gold]", "[tiers.gold"), "not valid TOML"),
         (lambda s: 'currency = "EUR"\n', "'tiers' must be a table"),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nmax_concurrent_requests = 0"),
+            "'max_concurrent_requests' must be an integer >= 1",
+        ),
     ],
 )
 def test_invalid_tier_files_fail_with_a_precise_message(tmp_path, edit, message):

@@ -1,0 +1,226 @@
+"""`kvlease serve`: vLLM's own OpenAI server, with kvlease's pieces configured.
+
+It validates kvlease's configuration first (a bad key or tier file is a
+one-line error, exit 2), then runs vLLM's launcher functions (`setup_server`,
+`build_async_engine_client`, `build_and_serve`) with:
+
+- `--scheduler-cls engine.vllm_scheduler.TenantAwareScheduler` (which becomes
+  the async variant where vLLM schedules asynchronously),
+- `--middleware engine.server.TenantMiddleware`,
+- the `kvlease_admin` endpoint plugin allow-listed in `VLLM_PLUGINS`,
+- a fresh engine->API channel address in `KVLEASE_CHANNEL`,
+- `--enable-prompt-tokens-details` (cached tokens in usage) and a drain
+  deadline for SIGTERM (`--shutdown-timeout`, 30 s unless given).
+
+vLLM binds the port before the ~30 s engine start but serves nothing until
+the engine is up; kvlease answers 503 (OpenAI error shape) meanwhile.
+Every other flag goes to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from engine.server import ConfigError, ServerConfig, error_body
+from engine.tenancy import TIERS_ENV, TierConfigError
+
+SCHEDULER = "engine.vllm_scheduler.TenantAwareScheduler"
+MIDDLEWARE = "engine.server.TenantMiddleware"
+ADMIN_PLUGIN = "kvlease_admin"
+OWNED_FLAGS = ("--scheduler-cls",)
+STARTING = error_body(503, "the engine is starting; retry shortly", "engine_starting")
+
+
+def _kvlease_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="kvlease serve", add_help=False)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--tiers", default=None)
+    parser.add_argument("--jwt-keys", default=None)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser.parse_known_args(list(argv))
+
+
+def _has(flag: str, argv: Sequence[str]) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _allow_plugins() -> str:
+    """VLLM_PLUGINS with kvlease's plugin added; unset means "all", so list them all."""
+    current = os.environ.get("VLLM_PLUGINS")
+    if current is not None:
+        names = {n for n in current.split(",") if n}
+    else:
+        groups = ("vllm.general_plugins", "vllm.stat_logger_plugins", "vllm.io_processor_plugins")
+        names = {ep.name for group in groups for ep in entry_points(group=group)}
+    return ",".join(sorted(names | {ADMIN_PLUGIN}))
+
+
+def vllm_argv(args: argparse.Namespace, rest: list[str], model: str, demo: bool) -> list[str]:
+    """The vLLM server command line for these kvlease arguments."""
+    argv = ["--model", model, *rest, "--scheduler-cls", SCHEDULER, "--middleware", MIDDLEWARE]
+    if args.num_blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(args.num_blocks)]
+    if not _has("--enable-prompt-tokens-details", rest):
+        argv.append("--enable-prompt-tokens-details")
+    if not _has("--shutdown-timeout", rest):
+        argv += ["--shutdown-timeout", "30"]
+    if demo:
+        if not _has("--served-model-name", rest):
+            argv += ["--served-model-name", "kvlease-demo"]
+        if not _has("--block-size", rest):
+            argv += ["--block-size", "32"]
+        if not _has("--max-model-len", rest):
+            fits = 2048 if args.num_blocks is None else (args.num_blocks - 1) * 32
+            argv += ["--max-model-len", str(min(2048, fits))]
+    return argv
+
+
+def check_pool(vllm_args: argparse.Namespace) -> None:
+    """vLLM keeps one block back, so a request of max_model_len needs blocks - 1."""
+    blocks = vllm_args.num_gpu_blocks_override
+    block, max_len = vllm_args.block_size, vllm_args.max_model_len
+    if blocks is not None and block and max_len and max_len > (blocks - 1) * block:
+        raise ConfigError(
+            f"--num-blocks {blocks} of {block} tokens holds at most {(blocks - 1) * block} "
+            f"tokens per request (one block is vLLM's null block); lower --max-model-len "
+            f"({max_len}) or raise --num-blocks"
+        )
+
+
+def run_serve(argv: Sequence[str]) -> int:
+    args, rest = _kvlease_args(argv)
+    if args.help:
+        print(__doc__)
+        print("kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N")
+        print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
+        return 0
+    for flag in OWNED_FLAGS:
+        if _has(flag, rest):
+            print(f"kvlease serve: error: {flag} is set by kvlease serve itself", file=sys.stderr)
+            return 2
+    if args.tiers:
+        os.environ[TIERS_ENV] = str(Path(args.tiers).resolve())
+    if args.jwt_keys:
+        os.environ["KVLEASE_JWT_KEYS"] = str(Path(args.jwt_keys).resolve())
+    try:
+        ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
+        from engine.runtime import prepare_environment, require_vllm
+
+        require_vllm()
+    except (ConfigError, TierConfigError) as exc:
+        print(f"kvlease serve: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # VllmVersionError
+        print(f"kvlease serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    from exporters.channel import ADDRESS_ENV, new_address
+
+    demo = args.model is None
+    if demo:
+        from engine.demo_model import ensure_demo_model
+
+        model = str(ensure_demo_model())
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    else:
+        model = args.model
+    prepare_environment()
+    os.environ[ADDRESS_ENV] = new_address()
+    os.environ["VLLM_PLUGINS"] = _allow_plugins()
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="kvlease serve"))
+    vllm_args = parser.parse_args(vllm_argv(args, rest, model, demo))
+    validate_parsed_serve_args(vllm_args)
+    try:
+        check_pool(vllm_args)
+    except ConfigError as exc:
+        print(f"kvlease serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvloop
+
+    try:
+        uvloop.run(_serve(vllm_args))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from vllm.entrypoints.launchers.api_server.entry import (
+        build_and_serve,
+        build_async_engine_client,
+    )
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    from exporters.engine_view import VIEW
+
+    def interrupt(*_: object) -> None:  # SIGTERM while the engine starts: stop starting
+        raise KeyboardInterrupt("terminated")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    listen_address, sock = setup_server(args, reuse_port=False)
+    VIEW.start()  # bind the channel before the engine can send
+    try:
+        async with contextlib.AsyncExitStack() as engine:
+            with _answer_503_while_starting(sock):
+                client = await engine.enter_async_context(build_async_engine_client(args))
+            shutdown = await build_and_serve(client, listen_address, sock, args)
+        await shutdown  # as vLLM does: only after the engine context has exited
+    finally:
+        await asyncio.sleep(0.3)  # let the channel deliver the engine's last messages
+        VIEW.stop()
+        sock.close()
+
+
+@contextlib.contextmanager
+def _answer_503_while_starting(sock: socket.socket):
+    """Serve 503 on (a duplicate of) the listening socket until the block exits.
+
+    vLLM builds its engine synchronously on the event loop, so the placeholder
+    runs on its own thread and loop.
+    """
+    import uvicorn
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"5")],
+            }
+        )
+        await send({"type": "http.response.body", "body": STARTING})
+
+    class Placeholder(uvicorn.Server):
+        def capture_signals(self):  # leave SIGTERM/SIGINT to the launcher
+            return contextlib.nullcontext()
+
+    dup = socket.socket(fileno=os.dup(sock.fileno()))
+    server = Placeholder(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    thread = threading.Thread(
+        target=lambda: asyncio.run(server.serve(sockets=[dup])), name="kvlease-503", daemon=True
+    )
+    thread.start()
+    try:
+        yield
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        dup.close()

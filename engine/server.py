@@ -1,0 +1,305 @@
+"""TenantMiddleware: the front door of vLLM's OpenAI server (pure ASGI).
+
+It runs before any vLLM route. For every non-public request it verifies the
+Bearer JWT (`engine.auth`), and for a JSON POST it rewrites the body so the
+engine sees only server-chosen tenant fields:
+
+- `vllm_xargs` = {tenant_id, tier, session_id} from the verified token,
+- `cache_salt` = HMAC-SHA256(server key, tenant_id): prefix-cache hits never
+  cross tenants (the timing side channel of CVE-2025-46570),
+- `priority` = the tier's priority,
+
+dropping whatever the client sent in those fields, and the `X-Request-Id` and
+`X-Vllm-Priority` headers vLLM would otherwise honour. Errors never raise
+(an exception in middleware is a 500): they are answered here, in OpenAI's
+error shape. Use it with `kvlease serve`, or alone on a plain vLLM server:
+`--middleware engine.server.TenantMiddleware`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.auth import Authenticator, AuthError, AuthSettings, KeyConfigError, KeyRing
+from engine.tenancy import TenantContext, TierTable
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+SALT_KEY_ENV = "KVLEASE_CACHE_SALT_KEY"
+MAX_BODY_ENV = "KVLEASE_MAX_BODY_BYTES"
+PUBLIC_PATHS = frozenset(
+    {
+        "/health",
+        "/ready",
+        "/ping",
+        "/version",
+        "/metrics",
+        "/openapi.json",
+        "/docs",
+        "/redoc",
+        "/docs/oauth2-redirect",
+    }
+)
+TENANT_PREFIXES = ("/v1/", "/inference/")
+TENANT_PATHS = frozenset(
+    {"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/invocations"}
+)
+ADMIN_PATHS = frozenset({"/inference/v1/abort_requests"})  # would abort anyone's request
+DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority"})
+STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class ConfigError(ValueError):
+    """The server cannot start with this configuration."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    authenticator: Authenticator
+    tiers: TierTable
+    salt_key: bytes
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    @classmethod
+    def from_env(cls) -> ServerConfig:
+        """Everything from `KVLEASE_*` variables; raises ConfigError with the fix."""
+        try:
+            tiers = TierTable.load()
+            auth = Authenticator(KeyRing.from_config(), tiers, AuthSettings.from_env())
+        except (KeyConfigError, ValueError) as exc:
+            raise ConfigError(str(exc)) from exc
+        raw_key = os.environ.get(SALT_KEY_ENV)
+        if raw_key is not None and len(raw_key.encode()) < 32:
+            raise ConfigError(f"{SALT_KEY_ENV} must be at least 32 bytes")
+        # Without a configured key the salt is per process: prefix caches do not
+        # outlive a restart anyway.
+        salt_key = raw_key.encode() if raw_key else secrets.token_bytes(32)
+        try:
+            max_body = int(os.environ.get(MAX_BODY_ENV, 16 * 1024 * 1024))
+        except ValueError:
+            raise ConfigError(f"{MAX_BODY_ENV} must be a number of bytes") from None
+        return cls(auth, tiers, salt_key, max_body)
+
+    def cache_salt(self, tenant_id: str) -> str:
+        return hmac.new(self.salt_key, tenant_id.encode(), hashlib.sha256).hexdigest()
+
+
+def error_payload(status: int, message: str, code: str) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    return json.dumps(error_payload(status, message, code)).encode()
+
+
+async def send_error(send: Send, status: int, message: str, code: str, headers=()) -> None:
+    body = error_body(status, message, code)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def route_class(path: str) -> str:
+    """ "public", "tenant" (any verified token) or "admin" (role-gated: /admin/* and
+    every other route, such as vLLM's operational endpoints)."""
+    if path in PUBLIC_PATHS:
+        return "public"
+    if path in ADMIN_PATHS:
+        return "admin"
+    if path.startswith(TENANT_PREFIXES) or path in TENANT_PATHS:
+        return "tenant"
+    return "admin"
+
+
+class TenantMiddleware:
+    """Verifies tenants and rewrites their requests; see the module docstring.
+
+    In-flight requests per tenant are counted here (one API process) to
+    enforce the tier's `max_concurrent_requests` with HTTP 429.
+    """
+
+    def __init__(self, app: Callable, config: ServerConfig | None = None) -> None:
+        self.app = app
+        self.config = config or ServerConfig.from_env()
+        self.in_flight: Counter[str] = Counter()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # A websocket body cannot be rewritten, so it would reach the engine unsalted.
+            await send({"type": "websocket.close", "code": 1008, "reason": "not served"})
+            return
+        if scope["type"] != "http" or route_class(scope["path"]) == "public":
+            await self.app(scope, receive, send)
+            return
+        try:
+            ctx = self.config.authenticator.authenticate(_header(scope, b"authorization"))
+        except AuthError as err:
+            await self._refuse(scope, send, err.status, err.message, err.code)
+            return
+        klass = route_class(scope["path"])
+        if (
+            klass == "admin"
+            and not scope["path"].startswith("/admin/")
+            and ("admin" not in ctx.roles)
+        ):
+            await self._refuse(
+                scope, send, 403, "this route needs the 'admin' role", "role_not_allowed"
+            )
+            return
+        scope.setdefault("state", {})[STATE_KEY] = ctx
+        if klass != "tenant":
+            await self.app(scope, receive, send)
+            return
+
+        limit = self.config.tiers[ctx.tier].max_concurrent_requests
+        if limit is not None and self.in_flight[ctx.tenant_id] >= limit:
+            await send_error(
+                send,
+                429,
+                f"tenant {ctx.tenant_id!r} already has {limit} requests in flight "
+                f"(tier {ctx.tier} limit)",
+                "too_many_concurrent_requests",
+                [(b"retry-after", b"1")],
+            )
+            return
+
+        request_id = f"kvl-{uuid.uuid4().hex}"
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
+        headers.append((b"x-request-id", request_id.encode()))
+        scope["headers"] = headers
+        if scope["method"] == "POST":
+            rewritten = await self._rewrite_body(scope, receive, send, ctx)
+            if rewritten is None:
+                return  # already answered with an error
+            receive = rewritten
+
+        unsupported = False
+
+        async def send_with_id(message: Message) -> None:
+            # vLLM answers 501 for an API the served model does not support; to a
+            # client that is a route that is not here: 404, not a server error.
+            nonlocal unsupported
+            if message["type"] == "http.response.start":
+                if message["status"] == 501:
+                    unsupported = True
+                    await send_error(
+                        send,
+                        404,
+                        f"{scope['path']} is not supported by the served model",
+                        "not_supported",
+                        [(b"x-request-id", request_id.encode())],
+                    )
+                    return
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            elif unsupported:
+                return
+            await send(message)
+
+        self.in_flight[ctx.tenant_id] += 1
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.in_flight[ctx.tenant_id] -= 1
+            if not self.in_flight[ctx.tenant_id]:
+                del self.in_flight[ctx.tenant_id]
+
+    async def _refuse(self, scope: Scope, send: Send, status: int, message: str, code: str):
+        headers = [(b"www-authenticate", b'Bearer realm="kvlease"')] if status == 401 else []
+        await send_error(send, status, message, code, headers)
+
+    async def _rewrite_body(
+        self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext
+    ) -> Receive | None:
+        """Read the body, put the tenant fields in, and replay it to the app."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                await send_error(
+                    send,
+                    413,
+                    f"request body is larger than {self.config.max_body_bytes} bytes",
+                    "body_too_large",
+                )
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        content_type = (_header(scope, b"content-type") or "application/json").split(";")[0]
+        if content_type.strip().lower() != "application/json":
+            # Only a JSON body can carry the tenant fields; anything else would reach
+            # the engine unclassified and unsalted.
+            await send_error(
+                send, 415, "kvlease accepts JSON request bodies only", "unsupported_media_type"
+            )
+            return None
+        try:
+            doc = json.loads(body) if body else None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            await send_error(send, 400, f"request body is not valid JSON: {exc}", "invalid_json")
+            return None
+        if isinstance(doc, dict):
+            doc["vllm_xargs"] = ctx.extra_args()
+            if isinstance(doc.get("sampling_params"), dict):  # /inference/v1/generate
+                doc["sampling_params"]["extra_args"] = ctx.extra_args()
+            doc["cache_salt"] = self.config.cache_salt(ctx.tenant_id)
+            doc["priority"] = self.config.tiers[ctx.tier].priority
+            body = json.dumps(doc).encode()
+            scope["headers"] = [
+                (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
+            ] + [(b"content-length", str(len(body)).encode())]
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnects reach vLLM as usual
+
+        return replay
+
+
+def _header(scope: Scope, name: bytes, default: str | None = None) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return default

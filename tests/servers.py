@@ -1,0 +1,121 @@
+"""Real servers for tests: `kvlease serve` (or plain vLLM) as a subprocess on loopback."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from engine.auth import KeyRing, mint_token
+from engine.tenancy import TierTable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    secret: str
+    log: Path
+    startup_statuses: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def token(
+        self,
+        tenant: str,
+        tier: str = "free",
+        roles=(),
+        session: str | None = None,
+        ttl: float = 3600,
+    ) -> str:
+        return mint_token(
+            KeyRing.from_secret(self.secret),
+            TierTable.load(),
+            tenant_id=tenant,
+            tier=tier,
+            roles=roles,
+            session_id=session,
+            ttl_seconds=ttl,
+        )
+
+    def headers(self, tenant: str, tier: str = "free", **kw) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token(tenant, tier, **kw)}"}
+
+    def admin_state(self) -> dict:
+        r = httpx.get(f"{self.url}/admin/state", headers=self.headers("ops", roles=["admin"]))
+        r.raise_for_status()
+        return r.json()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+def start(
+    command: list[str], home: Path, log: Path, extra_env: dict | None = None, timeout: float = 300
+) -> Server:
+    """Start a server and wait until /health answers 200, recording what it said before."""
+    port = free_port()
+    secret = secrets.token_urlsafe(48)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
+    env.update(
+        KVLEASE_HOME=str(home),
+        KVLEASE_JWT_SECRET=secret,
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        **(extra_env or {}),
+    )
+    out = log.open("w")
+    proc = subprocess.Popen(
+        [*command, "--port", str(port)],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    server = Server(proc, port, secret, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode}; log:\n{log.read_text()[-4000:]}"
+            )
+        try:
+            status = httpx.get(f"{server.url}/health", timeout=2).status_code
+        except httpx.HTTPError:
+            status = 0
+        server.startup_statuses.append(status)
+        if status == 200:
+            return server
+        time.sleep(0.25)
+    server.stop(signal.SIGKILL)
+    raise TimeoutError(f"server did not become healthy; log:\n{log.read_text()[-4000:]}")
+
+
+def kvlease_serve(home: Path, log: Path, *args: str) -> Server:
+    return start(
+        [sys.executable, "-m", "engine.cli", "serve", "--num-blocks", "256", *args], home, log
+    )

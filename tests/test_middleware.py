@@ -1,0 +1,274 @@
+"""TenantMiddleware as pure ASGI, in front of a recording app: no engine, milliseconds."""
+
+import asyncio
+import json
+
+import pytest
+
+from engine.auth import Authenticator, mint_token
+from engine.server import ServerConfig, TenantMiddleware, route_class
+
+
+class Recorder:
+    """A stand-in for vLLM's app: records what reached it, answers 200."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def __call__(self, scope, receive, send):
+        body = b""
+        if scope["type"] == "http":
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+        self.calls.append((scope, body))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def call(app, path, method="POST", body=b"", headers=(), chunks=None):
+    """Run one request through `app`; returns (status, headers, body)."""
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
+    }
+    parts = chunks if chunks is not None else [body]
+    incoming = [
+        {"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
+        for i, p in enumerate(parts)
+    ]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], dict(start["headers"]), out
+
+
+@pytest.fixture
+def config(hs_ring, tiers):
+    return ServerConfig(Authenticator(hs_ring, tiers), tiers, b"k" * 32, max_body_bytes=4096)
+
+
+@pytest.fixture
+def app(config):
+    return TenantMiddleware(Recorder(), config)
+
+
+def bearer(hs_ring, tiers, tenant="acme", tier="free", **kw):
+    return (
+        "Authorization",
+        f"Bearer {mint_token(hs_ring, tiers, tenant_id=tenant, tier=tier, **kw)}",
+    )
+
+
+JSON = ("Content-Type", "application/json")
+
+
+def test_verified_identity_replaces_every_client_tenant_field(app, config, hs_ring, tiers):
+    client_body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "vllm_xargs": {"tenant_id": "victim", "tier": "premium"},
+        "cache_salt": "victim-salt",
+        "priority": -100,
+    }
+    status, headers, _ = call(
+        app,
+        "/v1/chat/completions",
+        body=json.dumps(client_body).encode(),
+        headers=[
+            bearer(hs_ring, tiers, "acme", "standard", session_id="chat-1"),
+            JSON,
+            ("X-Request-Id", "forged"),
+            ("X-Vllm-Priority", "-5"),
+        ],
+    )
+    assert status == 200
+    scope, body = app.app.calls[-1]
+    doc = json.loads(body)
+    assert doc["vllm_xargs"] == {"tenant_id": "acme", "tier": "standard", "session_id": "chat-1"}
+    assert doc["cache_salt"] == config.cache_salt("acme") != config.cache_salt("victim")
+    assert doc["priority"] == 1
+    assert doc["messages"] == client_body["messages"]
+    sent_headers = dict(scope["headers"])
+    assert b"x-vllm-priority" not in sent_headers
+    assert sent_headers[b"x-request-id"].startswith(b"kvl-")
+    assert sent_headers[b"content-length"] == str(len(body)).encode()
+    assert headers[b"x-request-id"] == sent_headers[b"x-request-id"]
+    assert scope["state"]["kvlease_tenant"].tenant_id == "acme"
+
+
+def test_salts_differ_per_tenant_and_per_server_key(config):
+    other = ServerConfig(config.authenticator, config.tiers, b"z" * 32)
+    assert config.cache_salt("a") != config.cache_salt("b")
+    assert config.cache_salt("a") != other.cache_salt("a")
+
+
+def test_a_body_split_across_messages_is_reassembled(app, hs_ring, tiers):
+    raw = json.dumps({"model": "m", "prompt": "x" * 100}).encode()
+    status, _, _ = call(
+        app,
+        "/v1/completions",
+        chunks=[raw[:10], raw[10:50], raw[50:]],
+        headers=[bearer(hs_ring, tiers), JSON],
+    )
+    assert status == 200
+    assert json.loads(app.app.calls[-1][1])["prompt"] == "x" * 100
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/openapi.json", "/ready"])
+def test_public_routes_need_no_token(app, path):
+    assert call(app, path, method="GET")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "roles", "status"),
+    [
+        ("/v1/models", (), 200),
+        ("/pause", (), 403),
+        ("/reset_prefix_cache", (), 403),
+        ("/pause", ("admin",), 200),
+        ("/admin/state", (), 200),  # the admin route itself checks the role
+    ],
+)
+def test_operational_routes_need_the_admin_role(app, hs_ring, tiers, path, roles, status):
+    got, _, body = call(app, path, method="GET", headers=[bearer(hs_ring, tiers, roles=roles)])
+    assert got == status
+    if status == 403:
+        assert json.loads(body)["error"]["code"] == "role_not_allowed"
+
+
+def test_token_in_token_out_requests_carry_the_tenant_in_sampling_params(app, hs_ring, tiers):
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "extra_args": {"x": 1}}}
+    call(
+        app,
+        "/inference/v1/generate",
+        body=json.dumps(body).encode(),
+        headers=[bearer(hs_ring, tiers, "acme", "premium"), JSON],
+    )
+    doc = json.loads(app.app.calls[-1][1])
+    assert doc["sampling_params"]["extra_args"] == {"tenant_id": "acme", "tier": "premium"}
+    assert doc["priority"] == 0 and doc["cache_salt"]
+
+
+def test_route_classes():
+    assert route_class("/inference/v1/abort_requests") == "admin"
+    assert route_class("/inference/v1/generate") == "tenant"
+    assert route_class("/v1/chat/completions") == "tenant"
+    assert route_class("/tokenize") == "tenant"
+    assert route_class("/metrics") == "public"
+    assert route_class("/collective_rpc") == "admin"
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "code"),
+    [
+        (b"{not json", [JSON], 400, "invalid_json"),
+        (b"\xff\xfe", [JSON], 400, "invalid_json"),
+        (
+            b"prompt=hi",
+            [("Content-Type", "application/x-www-form-urlencoded")],
+            415,
+            "unsupported_media_type",
+        ),
+        (b"x" * 5000, [JSON], 413, "body_too_large"),
+    ],
+)
+def test_bad_bodies_are_answered_in_openai_shape(app, hs_ring, tiers, body, headers, status, code):
+    got, got_headers, out = call(
+        app, "/v1/completions", body=body, headers=[bearer(hs_ring, tiers), *headers]
+    )
+    assert got == status
+    assert got_headers[b"content-type"] == b"application/json"
+    error = json.loads(out)["error"]
+    assert error["code"] == code and error["message"] and error["type"] == "invalid_request_error"
+    assert app.app.calls == []
+
+
+def test_missing_token_is_a_401_with_a_bearer_challenge(app):
+    status, headers, body = call(app, "/v1/models", method="GET")
+    assert status == 401 and headers[b"www-authenticate"].startswith(b"Bearer")
+    assert json.loads(body)["error"] == {
+        "message": "an Authorization: Bearer <token> header is required",
+        "type": "authentication_error",
+        "param": None,
+        "code": "missing_token",
+    }
+
+
+def test_a_tenant_over_its_tier_concurrency_cap_gets_429(config, hs_ring, tiers):
+    release = asyncio.Event()
+
+    async def slow_app(scope, receive, send):
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    app = TenantMiddleware(slow_app, config)
+    auth = bearer(hs_ring, tiers, "busy", "free")  # free: 8 at a time
+
+    async def one():
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [
+                (auth[0].lower().encode(), auth[1].encode()),
+                (b"content-type", b"application/json"),
+            ],
+        }
+        await app(scope, receive, send)
+        return sent[0]["status"]
+
+    async def main():
+        tasks = [asyncio.create_task(one()) for _ in range(9)]
+        await asyncio.sleep(0.05)
+        assert app.in_flight["busy"] == 8
+        release.set()
+        return sorted(await asyncio.gather(*tasks))
+
+    assert asyncio.run(main()) == [200] * 8 + [429]
+    assert app.in_flight == {}
+
+
+def test_websockets_are_closed(app):
+    sent = []
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app({"type": "websocket", "path": "/v1/realtime", "headers": []}, receive, send))
+    assert sent == [{"type": "websocket.close", "code": 1008, "reason": "not served"}]
+
+
+def test_an_api_the_model_does_not_support_is_a_404_not_a_501(config, hs_ring, tiers):
+    async def unsupported(scope, receive, send):
+        await send({"type": "http.response.start", "status": 501, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": "NotImplementedError"}'})
+
+    app = TenantMiddleware(unsupported, config)
+    status, _, body = call(app, "/v1/systemone", body=b"{}", headers=[bearer(hs_ring, tiers), JSON])
+    assert status == 404
+    assert json.loads(body)["error"]["code"] == "not_supported"

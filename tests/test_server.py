@@ -1,0 +1,333 @@
+"""`kvlease serve` for real: vLLM's OpenAI server, the demo model, the stock `openai` client.
+
+One server for the module (~60 s to start on two cores). The last test stops
+it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import jwt
+import openai
+import pytest
+from servers import kvlease_serve
+
+pytestmark = pytest.mark.engine
+MODEL = "kvlease-demo"
+CHAT = [{"role": "user", "content": "Tell me about the cache."}]
+
+
+@pytest.fixture(scope="module")
+def server(kvlease_home, tmp_path_factory):
+    srv = kvlease_serve(kvlease_home, tmp_path_factory.mktemp("serve") / "server.log")
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+def client(server, tenant, tier="free", **kw) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=server.token(tenant, tier, **kw), max_retries=0
+    )
+
+
+def test_engine_start_answers_503_in_openai_shape_then_serves(server):
+    statuses = server.startup_statuses
+    assert 503 in statuses and statuses[-1] == 200
+    assert statuses.index(503) < statuses.index(200)
+
+
+def test_openai_client_chats_and_completes_with_a_minted_token(server):
+    c = client(server, "acme", "premium", session="chat-1")
+    reply = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8)
+    assert reply.choices[0].message.content
+    assert reply.usage.completion_tokens == 8
+    assert reply.id.startswith("chatcmpl-kvl-")
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, stream=True))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed
+
+    completion = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
+    assert completion.usage.completion_tokens == 5
+    assert [m.id for m in c.models.list()] == [MODEL]
+
+
+def _b64(data: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+
+def _auth_cases(server) -> dict[str, tuple[str | None, int, str]]:
+    good = server.token("acme", "free")
+    header, payload, sig = good.split(".")
+    claims = jwt.decode(good, options={"verify_signature": False})
+    now = int(time.time())
+    return {
+        "no token": (None, 401, "missing_token"),
+        "alg none": (f"{_b64({'alg': 'none'})}.{payload}.", 401, "unsupported_algorithm"),
+        "wrong key": (jwt.encode(claims, "x" * 48, algorithm="HS256"), 401, "invalid_signature"),
+        "expired": (
+            jwt.encode(
+                {**claims, "iat": now - 7200, "exp": now - 3600}, server.secret, algorithm="HS256"
+            ),
+            401,
+            "token_expired",
+        ),
+        "tampered tier": (
+            f"{header}.{_b64({**claims, 'tier': 'premium'})}.{sig}",
+            401,
+            "invalid_signature",
+        ),
+        "unknown kid": (
+            jwt.encode(claims, server.secret, algorithm="HS256", headers={"kid": "old"}),
+            401,
+            "unknown_kid",
+        ),
+        "10 KB token": (
+            jwt.encode({**claims, "pad": "x" * 10_000}, server.secret, algorithm="HS256"),
+            401,
+            "token_too_large",
+        ),
+        "garbage": ("not-a-jwt", 401, "malformed_token"),
+        "unknown tier": (
+            jwt.encode({**claims, "tier": "platinum"}, server.secret, algorithm="HS256"),
+            403,
+            "tier_not_allowed",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no token",
+        "alg none",
+        "wrong key",
+        "expired",
+        "tampered tier",
+        "unknown kid",
+        "10 KB token",
+        "garbage",
+        "unknown tier",
+    ],
+)
+def test_bad_credentials_get_401_or_403_with_a_reason(server, case):
+    token, status, code = _auth_cases(server)[case]
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers=headers,
+        json={"model": MODEL, "messages": CHAT, "max_tokens": 4},
+    )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["code"] == code and error["message"]
+    assert error["type"] == ("authentication_error" if status == 401 else "permission_error")
+
+
+def test_openai_client_sees_an_authentication_error(server):
+    bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="garbage", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        bad.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+    assert err.value.status_code == 401
+
+
+def test_admin_routes_refuse_tenant_tokens_and_serve_admins(server):
+    r = httpx.get(f"{server.url}/admin/state", headers=server.headers("acme", "premium"))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "role_not_allowed"
+    r = httpx.post(f"{server.url}/reset_prefix_cache", headers=server.headers("acme"))
+    assert r.status_code == 403
+    state = server.admin_state()
+    assert state["pool_blocks"] == 255
+    assert {"running", "waiting", "waiting_by_tier", "leases", "tenants"} <= set(state)
+
+
+def _cached(reply) -> int:
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+PROMPT = [{"role": "user", "content": "A long shared system prompt about KV caches. " * 12}]
+
+
+def test_prefix_cache_hits_within_a_tenant_never_across_tenants(server):
+    alice, bob = client(server, "alice", "premium"), client(server, "bob", "premium")
+    first = alice.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
+    assert _cached(first) == 0
+    again = alice.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
+    assert _cached(again) >= 64
+    other = bob.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=2)
+    assert _cached(other) == 0
+
+
+SECRET_TALK = [*PROMPT, {"role": "user", "content": "carol's secret conversation " * 10}]
+
+
+def test_client_sent_tenant_fields_change_nothing(server):
+    client(server, "carol", "premium", session="c1").chat.completions.create(
+        model=MODEL, messages=SECRET_TALK, max_tokens=2
+    )
+    forged = {
+        "vllm_xargs": {"tenant_id": "carol", "tier": "premium", "session_id": "c1"},
+        "cache_salt": "carol",
+        "priority": -1000,
+    }
+    reply = client(server, "mallory", "free").chat.completions.create(
+        model=MODEL,
+        messages=SECRET_TALK,
+        max_tokens=2,
+        extra_body=forged,
+        extra_headers={"X-Vllm-Priority": "-1000"},
+    )
+    assert _cached(reply) == 0  # no hit on carol's cache
+    state = server.admin_state()
+    assert "mallory" in state["tenants"]
+    assert not [x for x in state["leases"] if x["tenant_id"] == "mallory"]  # free: no lease
+
+
+BAD_BODIES = [
+    ("malformed JSON", b'{"model": "kvlease-demo", "messages": [', 400),
+    ("wrong types", {"model": MODEL, "messages": 5}, 400),
+    ("empty messages", {"model": MODEL, "messages": []}, 400),
+    ("negative max_tokens", {"model": MODEL, "messages": CHAT, "max_tokens": -1}, 400),
+    ("huge max_tokens", {"model": MODEL, "messages": CHAT, "max_tokens": 10**9}, 400),
+    (
+        "prompt too long",
+        {
+            "model": MODEL,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "cache " * 5000}],
+        },
+        400,
+    ),
+    ("unknown model", {"model": "gpt-17", "messages": CHAT}, 404),
+    ("array body", [1, 2, 3], 400),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status"), BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_input_is_a_4xx_in_openai_shape(server, name, body, status):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=raw,
+        headers={**server.headers("acme"), "Content-Type": "application/json"},
+    )
+    assert (
+        r.status_code in (status, 422)
+        if name in ("wrong types", "array body")
+        else (r.status_code == status)
+    )
+    assert r.status_code < 500
+    error = r.json()["error"]
+    assert error["message"]
+    ok = client(server, "acme").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+def test_schemathesis_finds_no_server_error(server, tmp_path):
+    st = shutil.which("st", path=str(Path(sys.executable).parent))
+    done = subprocess.run(
+        [
+            st,
+            "run",
+            f"{server.url}/openapi.json",
+            "-H",
+            f"Authorization: Bearer {server.token('fuzzer', 'standard')}",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "8",
+            "--phases",
+            "examples,fuzzing",
+            "--request-timeout",
+            "60",
+            "--seed",
+            "1",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-5000:]
+    _wait_idle(server)
+    ok = client(server, "acme").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+def _wait_idle(server, seconds: float = 120, after: float = 0.0) -> dict:
+    """The first idle snapshot taken after `after` (the machine's monotonic clock)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        state = server.admin_state()
+        if state["at"] > after and state["running"] == 0 and state["waiting"] == 0:
+            return state
+        time.sleep(0.25)
+    raise AssertionError(f"the engine stayed busy: {state}")
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_blocks(server):
+    """A 100-token prompt plus 1,500 tokens (50 blocks) take about 8 s here; the
+    client leaves after the first few."""
+    _wait_idle(server)  # earlier tests' clients may have left work behind
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        headers=server.headers("leaver"),
+        json={
+            "model": MODEL,
+            "prompt": "Stream forever, " * 12,
+            "max_tokens": 1500,
+            "stream": True,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # the request is generating: it holds blocks
+        for _ in range(5):
+            next(lines)
+    state = _wait_idle(server, 30, after=time.monotonic())
+    leaver = state["tenants"]["leaver"]
+    assert leaver["running"] == 0
+    assert state["free_blocks"] == state["pool_blocks"]  # every block is back in the pool
+    # What it computed stays as an evictable cached prefix (its full prompt blocks),
+    # and it is short: the engine stopped well before 50 blocks once the client had gone.
+    assert 0 < leaver["cached"] < 20
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly(server):
+    """Runs last: it stops the module's server."""
+    result = {}
+
+    def long_request():
+        c = client(server, "drainer", "standard")
+        try:
+            r = c.completions.create(
+                model=MODEL, prompt="Drain me", max_tokens=300, extra_body={"ignore_eos": True}
+            )
+            result["tokens"] = r.usage.completion_tokens
+        except openai.APIError as exc:  # an abort is acceptable, a hang is not
+            result["error"] = exc
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    code = server.stop(signal.SIGTERM, timeout=60)
+    worker.join(30)
+    assert code == 0
+    assert time.monotonic() - started < 45  # inside --shutdown-timeout 30 plus exit
+    assert result.get("tokens") == 300 or "error" in result
+    log = server.log.read_text()
+    assert "draining in-flight requests count=1" in log
+    assert "request processing complete" in log
