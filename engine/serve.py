@@ -47,6 +47,7 @@ def _kvlease_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--tiers", default=None)
     parser.add_argument("--jwt-keys", default=None)
     parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--max-tenant-labels", type=int, default=None)
     parser.add_argument("-h", "--help", action="store_true")
     return parser.parse_known_args(list(argv))
 
@@ -102,7 +103,10 @@ def run_serve(argv: Sequence[str]) -> int:
     args, rest = _kvlease_args(argv)
     if args.help:
         print(__doc__)
-        print("kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N")
+        print(
+            "kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N  "
+            "--max-tenant-labels N"
+        )
         print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
         return 0
     for flag in OWNED_FLAGS:
@@ -113,6 +117,8 @@ def run_serve(argv: Sequence[str]) -> int:
         os.environ[TIERS_ENV] = str(Path(args.tiers).resolve())
     if args.jwt_keys:
         os.environ["KVLEASE_JWT_KEYS"] = str(Path(args.jwt_keys).resolve())
+    if args.max_tenant_labels is not None:
+        os.environ["KVLEASE_MAX_TENANT_LABELS"] = str(args.max_tenant_labels)
     try:
         ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
         from engine.runtime import prepare_environment, require_vllm

@@ -39,6 +39,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 SALT_KEY_ENV = "KVLEASE_CACHE_SALT_KEY"
 MAX_BODY_ENV = "KVLEASE_MAX_BODY_BYTES"
+PUBLIC_PREFIXES = ("/metrics/",)  # vLLM mounts its Prometheus app at /metrics
 PUBLIC_PATHS = frozenset(
     {
         "/health",
@@ -59,6 +60,9 @@ TENANT_PATHS = frozenset(
 ADMIN_PATHS = frozenset({"/inference/v1/abort_requests"})  # would abort anyone's request
 DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority"})
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
+# Request id -> verified identity, while the request is in flight in this process. The
+# stat-logger plugin attributes vLLM's per-request stats through it.
+IN_FLIGHT: dict[str, TenantContext] = {}
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -134,7 +138,7 @@ async def send_error(send: Send, status: int, message: str, code: str, headers=(
 def route_class(path: str) -> str:
     """ "public", "tenant" (any verified token) or "admin" (role-gated: /admin/* and
     every other route, such as vLLM's operational endpoints)."""
-    if path in PUBLIC_PATHS:
+    if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
         return "public"
     if path in ADMIN_PATHS:
         return "admin"
@@ -229,9 +233,11 @@ class TenantMiddleware:
             await send(message)
 
         self.in_flight[ctx.tenant_id] += 1
+        IN_FLIGHT[request_id] = ctx
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            IN_FLIGHT.pop(request_id, None)
             self.in_flight[ctx.tenant_id] -= 1
             if not self.in_flight[ctx.tenant_id]:
                 del self.in_flight[ctx.tenant_id]

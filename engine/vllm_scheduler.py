@@ -49,6 +49,7 @@ from engine.events import (  # noqa: E402
     event_dict,
 )
 from engine.free_queue import FIRST_LEASED, Holder, TenantFreeBlockQueue  # noqa: E402
+from engine.labels import TenantLabels  # noqa: E402
 from engine.leases import LeaseBook  # noqa: E402
 from engine.policy import (  # noqa: E402
     Candidate,
@@ -66,6 +67,7 @@ from exporters.channel import Publisher  # noqa: E402
 logger = logging.getLogger("kvlease.scheduler")
 
 RequestQueue.register(TenantWaitingQueue)
+MAX_LEASES_LISTED = 1000  # /admin/state lists at most this many; lease_summary covers all
 
 
 @dataclass(slots=True)
@@ -80,6 +82,7 @@ class Tenancy:
     seq: int
     holder: Holder | None
     discarded_tokens: int = 0
+    offloaded_blocks: int = 0  # set while preempted in "offload" mode
 
     @property
     def session(self) -> Hashable:
@@ -87,16 +90,22 @@ class Tenancy:
 
 
 class _RunningList(list):
-    """vLLM's `running`, kept so that `running[-1]` is the policy's first victim."""
+    """vLLM's `running`, kept so that `running[-1]` is the policy's first victim.
 
-    __slots__ = ("_key",)
+    `append` is vLLM's admission of a waiting request: it inserts in keep-first
+    order (O(log n) search, O(n) memmove) and tells the scheduler.
+    """
 
-    def __init__(self, key, items=()) -> None:
+    __slots__ = ("_key", "_on_admit")
+
+    def __init__(self, key, on_admit, items=()) -> None:
         super().__init__(items)
         self._key = key
+        self._on_admit = on_admit
 
     def append(self, request: Request) -> None:
         bisect.insort(self, request, key=self._key)
+        self._on_admit(request)
 
 
 class TenantSchedulingMixin:
@@ -110,6 +119,7 @@ class TenantSchedulingMixin:
         self.leases = LeaseBook(clock=lambda: self.clock())
         self.events = EventBuffer(self.kvlease.event_capacity)
         self.accounting = TenantAccounting()
+        self._label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
         self._tenancy: dict[str, Tenancy] = {}
         self._holders: dict[Hashable, Holder] = {}
         self._seq = itertools.count()
@@ -160,7 +170,7 @@ class TenantSchedulingMixin:
     def running(self, value: list[Request]) -> None:
         # vLLM reassigns `running` after filtering finished requests; order survives.
         if not isinstance(value, _RunningList):
-            value = _RunningList(self._keep_key, value)
+            value = _RunningList(self._keep_key, self._admitted, value)
         self._kvl_running = value
 
     def _keep_key(self, request: Request) -> tuple:
@@ -176,6 +186,15 @@ class TenantSchedulingMixin:
             ),
             self.kvlease.victim_rule,
         )
+
+    def _admitted(self, request: Request) -> None:
+        self._restore_offloaded(self._tenancy[request.request_id])
+
+    def _restore_offloaded(self, t: Tenancy) -> None:
+        """An offloaded request is running again (or gone): its blocks are no longer off-device."""
+        if t.offloaded_blocks:
+            self.accounting.offloaded_blocks[self._label(t.tenant_id)] -= t.offloaded_blocks
+            t.offloaded_blocks = 0
 
     def _bucket_of(self, request: Request) -> int:
         return self._tenancy[request.request_id].bucket
@@ -341,8 +360,11 @@ class TenantSchedulingMixin:
         )
         super()._preempt_request(request, timestamp, drop_stale_output=drop_stale_output)
         t.discarded_tokens += tokens
+        if decision.mode == "offload":
+            t.offloaded_blocks = blocks
+            self.accounting.offloaded_blocks[self._label(t.tenant_id)] += blocks
         self.accounting.count_preemption(
-            t.tenant_id, t.tier, self._preempt_reason, decision.mode, blocks, tokens
+            self._label(t.tenant_id), t.tier, self._preempt_reason, decision.mode, blocks, tokens
         )
         self.events.push(
             Preemption(
@@ -373,6 +395,7 @@ class TenantSchedulingMixin:
         result = super()._free_request(request, delay_free_blocks=delay_free_blocks)
         if t is None:
             return result
+        self._restore_offloaded(t)
         del self._tenancy[request.request_id]
         now = self.clock()
         holder = t.holder
@@ -436,7 +459,9 @@ class TenantSchedulingMixin:
         for holder in self._free_queue.take_evictions():
             for leased, blocks in ((False, holder.pending_cached), (True, holder.pending_leased)):
                 if blocks:
-                    self.accounting.count_eviction(holder.tenant_id, holder.tier, leased, blocks)
+                    self.accounting.count_eviction(
+                        self._label(holder.tenant_id), holder.tier, leased, blocks
+                    )
                     self.events.push(Eviction(now, holder.tenant_id, holder.tier, leased, blocks))
             holder.pending_cached = holder.pending_leased = 0
             self._forget_if_idle((holder.tenant_id, holder.session_id), holder)
@@ -476,14 +501,14 @@ class TenantSchedulingMixin:
             if not blocks:
                 continue
             request_blocks[request_id] = len(blocks)
-            held = tenants.setdefault(t.tenant_id, TenantBlocks())
+            held = tenants.setdefault(self._label(t.tenant_id), TenantBlocks())
             for block in blocks:
                 if block.block_id not in seen:
                     seen.add(block.block_id)
                     held.running += 1
         for holder in self._holders.values():
             if holder.cached or holder.leased:
-                held = tenants.setdefault(holder.tenant_id, TenantBlocks())
+                held = tenants.setdefault(self._label(holder.tenant_id), TenantBlocks())
                 held.cached += holder.cached
                 held.cached_leased += holder.leased
         return self.accounting.sample(
@@ -510,10 +535,21 @@ class TenantSchedulingMixin:
         )
         now = self.clock()
         leases = []
+        summary: dict[str, dict[str, float]] = {}
         for session in self.leases.sessions():
             tenant_id, session_id = session
             holder = self._holders.get(session)
             left = self.leases.seconds_left(session)
+            label = summary.setdefault(
+                self._label(tenant_id), {"active": 0, "seconds_left_max": 0.0}
+            )
+            label["active"] += 1
+            full = self.kvlease.tiers[holder.tier].lease_seconds if holder and holder.tier else 0.0
+            label["seconds_left_max"] = max(
+                label["seconds_left_max"], full if left == float("inf") else (left or 0.0)
+            )
+            if len(leases) >= MAX_LEASES_LISTED:
+                continue
             leases.append(
                 {
                     "tenant_id": tenant_id,
@@ -535,6 +571,8 @@ class TenantSchedulingMixin:
                 for tenant, b in snap.tenants.items()
             },
             "leases": leases,
+            "leases_total": len(self.leases.sessions()),
+            "lease_summary": summary,
             "running": len(self.running),
             "waiting": len(self.waiting),
             "waiting_by_tier": dict(
@@ -543,10 +581,11 @@ class TenantSchedulingMixin:
             "events_dropped": self.events.dropped,
             "totals": {
                 "preemptions": [[*k, n] for k, n in acc.preemptions.items()],
-                "preempted_blocks": [[t, n] for t, n in acc.preempted_blocks.items()],
+                "preempted_blocks": [[*k, n] for k, n in acc.preempted_blocks.items()],
                 "discarded_tokens": [[t, n] for t, n in acc.discarded_tokens.items()],
                 "evicted_blocks": [[*k, n] for k, n in acc.evicted_blocks.items()],
                 "block_seconds": [[t, s] for t, s in acc.block_seconds.items()],
+                "offloaded_blocks": [[t, n] for t, n in acc.offloaded_blocks.items()],
             },
         }
 

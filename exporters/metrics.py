@@ -1,0 +1,274 @@
+"""kvlease's Prometheus metrics: every family declared here, once, with its help text.
+
+They join vLLM's own on the server's `/metrics` (vLLM's families are named
+`vllm:...`, kvlease's `vllm_tenant_...`). Engine-side numbers (blocks,
+leases, preemptions, evictions, block-seconds, recomputed tokens) are the
+scheduler's cumulative totals from its latest snapshot (`exporters.channel`),
+so they are exact, whatever happens to individual events. Per-request numbers
+(tokens, outcomes, latencies) come from vLLM's own `FinishedRequestStats`
+through the stat-logger plugin (`exporters.stats`), so they equal vLLM's own
+counters. Tenant labels are bounded by `engine.labels.TenantLabels`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import (
+    REGISTRY,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from engine.labels import UNCLASSIFIED, TenantLabels
+from engine.tenancy import TierTable
+from exporters.engine_view import VIEW, EngineView
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as scraped; counters end in _total
+    kind: str  # "counter", "gauge" or "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+KV_BLOCKS = Family(
+    "vllm_tenant_kv_blocks",
+    "gauge",
+    "KV blocks a tenant holds now, by state: running (referenced by its requests), "
+    "cached_leased (its cached prefixes protected by a lease), cached (its evictable prefixes).",
+    ("tenant_id", "state"),
+)
+POOL_BLOCKS = Family("vllm_tenant_kv_pool_blocks", "gauge", "Usable KV blocks in the pool.")
+FREE_BLOCKS = Family(
+    "vllm_tenant_kv_free_blocks",
+    "gauge",
+    "Free KV blocks: empty ones plus cached prefixes that may be evicted.",
+)
+LEASES_ACTIVE = Family(
+    "vllm_tenant_lease_active",
+    "gauge",
+    "Sessions of the tenant whose lease is running.",
+    ("tenant_id",),
+)
+LEASE_SECONDS_LEFT = Family(
+    "vllm_tenant_lease_seconds_left",
+    "gauge",
+    "Longest time left on any of the tenant's leases, in seconds (a full lease while a "
+    "request is in flight).",
+    ("tenant_id",),
+)
+PREEMPTIONS = Family(
+    "vllm_tenant_preemptions_total",
+    "counter",
+    "Running requests preempted, by tenant, tier, reason (kv_pressure, admit_higher_tier, "
+    "cache_reset) and mode (recompute, offload).",
+    ("tenant_id", "tier", "reason", "mode"),
+)
+KV_EVICTIONS = Family(
+    "vllm_tenant_kv_cache_evictions_total",
+    "counter",
+    "KV blocks taken from a tenant by kvlease's policy: blocks of its preempted requests "
+    "(preemption_reason = the preemption's reason) and its evicted cached prefix blocks "
+    "(cache_eviction, leased_cache_eviction). priority is the tier's priority.",
+    ("tenant_id", "priority", "preemption_reason"),
+)
+CACHED_EVICTIONS = Family(
+    "vllm_tenant_cached_block_evictions_total",
+    "counter",
+    "Cached prefix blocks evicted to make room, by tenant, tier and whether a lease "
+    "protected them.",
+    ("tenant_id", "tier", "leased"),
+)
+SWAPPED_BLOCKS = Family(
+    "vllm_tenant_active_swapped_blocks",
+    "gauge",
+    "KV blocks of the tenant's requests preempted in offload mode and not yet resumed "
+    "(always 0 where vLLM has no KV offloading, such as on CPU).",
+    ("tenant_id",),
+)
+BLOCK_SECONDS = Family(
+    "vllm_tenant_kv_block_seconds_total",
+    "counter",
+    "KV block-seconds held by the tenant (running plus lease-protected cached blocks).",
+    ("tenant_id",),
+)
+TOKENS = Family(
+    "vllm_tenant_tokens_total",
+    "counter",
+    "Tokens by tenant and kind: input (prompt), cached_input (prompt tokens served from the "
+    "prefix cache), output, recomputed (computed tokens discarded by preemption).",
+    ("tenant_id", "kind"),
+)
+REQUESTS = Family(
+    "vllm_tenant_requests_total",
+    "counter",
+    "Finished requests by tenant and outcome (completed, aborted, failed).",
+    ("tenant_id", "outcome"),
+)
+TTFT = Family(
+    "vllm_tenant_time_to_first_token_seconds",
+    "histogram",
+    "Engine time to first token (queued plus prefill), by tier.",
+    ("tier",),
+)
+E2E = Family(
+    "vllm_tenant_e2e_request_latency_seconds",
+    "histogram",
+    "End-to-end request latency in the engine, by tier.",
+    ("tier",),
+)
+EVENTS_DROPPED = Family(
+    "vllm_tenant_events_dropped_total",
+    "counter",
+    "Scheduler events dropped because the bounded event buffer was full.",
+)
+FAMILIES = (
+    KV_BLOCKS,
+    POOL_BLOCKS,
+    FREE_BLOCKS,
+    LEASES_ACTIVE,
+    LEASE_SECONDS_LEFT,
+    PREEMPTIONS,
+    KV_EVICTIONS,
+    CACHED_EVICTIONS,
+    SWAPPED_BLOCKS,
+    BLOCK_SECONDS,
+    TOKENS,
+    REQUESTS,
+    TTFT,
+    E2E,
+    EVENTS_DROPPED,
+)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+OUTCOMES = {0: "completed", 1: "completed", 2: "aborted", 3: "failed", 4: "completed"}
+_REQUEST_ID = re.compile(r"kvl-[0-9a-f]{32}")
+
+
+def _family(f: Family) -> Metric:
+    if f.kind == "counter":
+        return CounterMetricFamily(f.name.removesuffix("_total"), f.help, labels=f.labels)
+    if f.kind == "gauge":
+        return GaugeMetricFamily(f.name, f.help, labels=f.labels)
+    return HistogramMetricFamily(f.name, f.help, labels=f.labels)
+
+
+@dataclass
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+class TenantMetrics:
+    """The collector: per-request numbers kept here, engine numbers read from the view."""
+
+    def __init__(self, view: EngineView, tiers: TierTable, labels: TenantLabels) -> None:
+        self.view, self.tiers, self.labels = view, tiers, labels
+        self._lock = threading.Lock()
+        self._tokens: Counter[tuple[str, str]] = Counter()
+        self._requests: Counter[tuple[str, str]] = Counter()
+        self._ttft: dict[str, _Histogram] = {}
+        self._e2e: dict[str, _Histogram] = {}
+
+    def request_finished(self, tenant: str | None, tier: str | None, stats) -> None:
+        """One vLLM FinishedRequestStats, attributed to its tenant."""
+        label, tier_label = self.labels(tenant), tier or UNCLASSIFIED
+        with self._lock:
+            self._tokens[(label, "input")] += stats.num_prompt_tokens
+            self._tokens[(label, "cached_input")] += stats.num_cached_tokens
+            self._tokens[(label, "output")] += stats.num_generation_tokens
+            self._requests[(label, OUTCOMES.get(int(stats.finish_reason), "failed"))] += 1
+            self._ttft.setdefault(tier_label, _Histogram()).observe(
+                stats.queued_time + stats.prefill_time
+            )
+            self._e2e.setdefault(tier_label, _Histogram()).observe(stats.e2e_latency)
+
+    def collect(self) -> Iterator[Metric]:
+        fam = {f.name: _family(f) for f in FAMILIES}
+        state = self.view.snapshot()
+        tokens = Counter()
+        with self._lock:
+            tokens.update(self._tokens)
+            requests = Counter(self._requests)
+            ttft = {k: (h.buckets(), h.total) for k, h in self._ttft.items()}
+            e2e = {k: (h.buckets(), h.total) for k, h in self._e2e.items()}
+        if state is not None:
+            self._engine_families(fam, state, tokens)
+        for (tenant, kind), n in sorted(tokens.items()):
+            fam[TOKENS.name].add_metric([tenant, kind], n)
+        for (tenant, outcome), n in sorted(requests.items()):
+            fam[REQUESTS.name].add_metric([tenant, outcome], n)
+        for name, hists in ((TTFT.name, ttft), (E2E.name, e2e)):
+            for tier, (buckets, total) in sorted(hists.items()):
+                fam[name].add_metric([tier], buckets, total)
+        yield from fam.values()
+
+    def _engine_families(self, fam: dict[str, Metric], state: dict, tokens: Counter) -> None:
+        totals = state["totals"]
+        fam[POOL_BLOCKS.name].add_metric([], state["pool_blocks"])
+        fam[FREE_BLOCKS.name].add_metric([], state["free_blocks"])
+        fam[EVENTS_DROPPED.name].add_metric([], state["events_dropped"])
+        offloaded = {t: n for t, n in totals["offloaded_blocks"]}
+        for tenant, held in sorted(state["tenants"].items()):
+            for kind in ("running", "cached_leased", "cached"):
+                fam[KV_BLOCKS.name].add_metric([tenant, kind], held[kind])
+            fam[SWAPPED_BLOCKS.name].add_metric([tenant], offloaded.get(tenant, 0))
+        for tenant, lease in sorted(state["lease_summary"].items()):
+            fam[LEASES_ACTIVE.name].add_metric([tenant], lease["active"])
+            fam[LEASE_SECONDS_LEFT.name].add_metric([tenant], lease["seconds_left_max"])
+        for tenant, tier, reason, mode, n in totals["preemptions"]:
+            fam[PREEMPTIONS.name].add_metric([tenant, str(tier), reason, mode], n)
+        for tenant, tier, reason, n in totals["preempted_blocks"]:
+            fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
+        for tenant, tier, leased, n in totals["evicted_blocks"]:
+            fam[CACHED_EVICTIONS.name].add_metric([tenant, str(tier), str(leased).lower()], n)
+            reason = "leased_cache_eviction" if leased else "cache_eviction"
+            fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
+        for tenant, seconds in totals["block_seconds"]:
+            fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
+        for tenant, n in totals["discarded_tokens"]:
+            tokens[(tenant, "recomputed")] += n
+
+    def _priority(self, tier: str | None) -> str:
+        return str(self.tiers[tier].priority) if tier in self.tiers else "none"
+
+
+_installed: TenantMetrics | None = None
+_install_lock = threading.Lock()
+
+
+def install() -> TenantMetrics:
+    """Register kvlease's collector in prometheus_client's default registry, once per process."""
+    global _installed
+    with _install_lock:
+        if _installed is None:
+            _installed = TenantMetrics(VIEW, TierTable.load(), TenantLabels.from_env())
+            REGISTRY.register(_installed)
+        return _installed
+
+
+def tenant_of(request_id: str | None):
+    """The TenantContext of an engine request id that TenantMiddleware issued, if in flight."""
+    from engine.server import IN_FLIGHT
+
+    match = _REQUEST_ID.search(request_id or "")
+    return IN_FLIGHT.get(match.group(0)) if match else None

@@ -1,0 +1,32 @@
+"""The stat-logger plugin (`vllm.stat_logger_plugins`: kvlease_stats).
+
+vLLM calls `record()` in the API process after each engine step with
+`FinishedRequestStats` for the requests that just finished: prompt, cached
+and generated tokens, latencies. kvlease attributes each to the tenant that
+TenantMiddleware verified for that request id and feeds kvlease's metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from exporters import metrics
+
+
+class KvleaseStatLogger(StatLoggerBase):
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self.metrics = metrics.install()
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        if iteration_stats is None:
+            return
+        for stats in iteration_stats.finished_requests:
+            ctx = metrics.tenant_of(stats.request_id)
+            self.metrics.request_finished(
+                ctx.tenant_id if ctx else None, ctx.tier if ctx else None, stats
+            )
+
+    def log_engine_initialized(self) -> None:
+        pass

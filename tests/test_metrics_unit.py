@@ -1,0 +1,162 @@
+"""kvlease's metric families from scheduler snapshots and vLLM request stats: no server."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.labels import OTHER, UNCLASSIFIED, TenantLabels
+from exporters.engine_view import EngineView
+from exporters.metrics import FAMILIES, TenantMetrics
+
+
+def _state(tenants=None, **totals):
+    base = {
+        "preemptions": [],
+        "preempted_blocks": [],
+        "discarded_tokens": [],
+        "evicted_blocks": [],
+        "block_seconds": [],
+        "offloaded_blocks": [],
+    }
+    return {
+        "at": 0.0,
+        "pool_blocks": 63,
+        "free_blocks": 40,
+        "events_dropped": 2,
+        "tenants": tenants or {},
+        "leases": [],
+        "lease_summary": {},
+        "totals": {**base, **totals},
+    }
+
+
+def _stats(prompt=10, cached=4, output=6, reason=1):
+    return SimpleNamespace(
+        num_prompt_tokens=prompt,
+        num_cached_tokens=cached,
+        num_generation_tokens=output,
+        finish_reason=reason,
+        queued_time=0.1,
+        prefill_time=0.2,
+        e2e_latency=1.5,
+    )
+
+
+def _scrape(collector) -> dict:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}, text
+
+
+def test_every_family_is_named_under_vllm_tenant_with_help(tiers):
+    names = [f.name for f in FAMILIES]
+    assert len(names) == len(set(names))
+    assert all(
+        n.startswith("vllm_tenant_") and f.help for n, f in zip(names, FAMILIES, strict=True)
+    )
+    assert {"vllm_tenant_kv_cache_evictions_total", "vllm_tenant_active_swapped_blocks"} <= set(
+        names
+    )
+
+
+def test_engine_totals_and_request_stats_become_samples(tiers):
+    view = EngineView()
+    view.apply(
+        {
+            "events": [],
+            "state": _state(
+                tenants={"acme": {"running": 3, "cached_leased": 2, "cached": 1}},
+                preemptions=[["acme", "premium", "kv_pressure", "recompute", 2]],
+                preempted_blocks=[["acme", "premium", "kv_pressure", 7]],
+                evicted_blocks=[["acme", "premium", True, 4]],
+                block_seconds=[["acme", 12.5]],
+                discarded_tokens=[["acme", 33]],
+            ),
+        }
+    )
+    metrics = TenantMetrics(view, tiers, TenantLabels())
+    metrics.request_finished("acme", "premium", _stats())
+    metrics.request_finished(None, None, _stats(reason=2))
+    families, _ = _scrape(metrics)
+
+    def value(family, **labels):
+        for s in families[family].samples:
+            if all(s.labels.get(k) == v for k, v in labels.items()) and not s.name.endswith(
+                ("_created",)
+            ):
+                return s.value
+        raise KeyError(labels)
+
+    assert value("vllm_tenant_kv_blocks", tenant_id="acme", state="running") == 3
+    assert (
+        value(
+            "vllm_tenant_preemptions",
+            tenant_id="acme",
+            tier="premium",
+            reason="kv_pressure",
+            mode="recompute",
+        )
+        == 2
+    )
+    assert (
+        value(
+            "vllm_tenant_kv_cache_evictions",
+            tenant_id="acme",
+            priority="0",
+            preemption_reason="kv_pressure",
+        )
+        == 7
+    )
+    assert (
+        value(
+            "vllm_tenant_kv_cache_evictions",
+            tenant_id="acme",
+            priority="0",
+            preemption_reason="leased_cache_eviction",
+        )
+        == 4
+    )
+    assert value("vllm_tenant_tokens", tenant_id="acme", kind="recomputed") == 33
+    assert value("vllm_tenant_tokens", tenant_id="acme", kind="cached_input") == 4
+    assert value("vllm_tenant_requests", tenant_id=UNCLASSIFIED, outcome="aborted") == 1
+    assert value("vllm_tenant_kv_block_seconds", tenant_id="acme") == 12.5
+    assert value("vllm_tenant_events_dropped") == 2
+    ttft = "vllm_tenant_time_to_first_token_seconds"
+    assert value(ttft, tier="premium", le="0.25") == 0  # queued 0.1 + prefill 0.2
+    assert value(ttft, tier="premium", le="0.5") == 1
+    assert value("vllm_tenant_active_swapped_blocks", tenant_id="acme") == 0
+
+
+def test_labels_keep_allow_listed_and_first_tenants_and_fold_the_rest():
+    labels = TenantLabels(max_labels=2, allow=["vip"])
+    assert [labels(t) for t in ["a", "b", "c", "vip", "a", None]] == [
+        "a",
+        "b",
+        OTHER,
+        "vip",
+        "a",
+        UNCLASSIFIED,
+    ]
+
+
+def test_a_flood_of_100000_tenants_keeps_metrics_under_a_fixed_size(tiers):
+    labels = TenantLabels(max_labels=500)
+    view = EngineView()
+    view.apply({"events": [], "state": _state()})
+    metrics = TenantMetrics(view, tiers, labels)
+    for i in range(100_000):
+        metrics.request_finished(f"tenant-{i}", "free", _stats())
+    families, text = _scrape(metrics)
+    tenants = {s.labels["tenant_id"] for s in families["vllm_tenant_requests"].samples}
+    assert len(tenants) == 501 and OTHER in tenants
+    assert len(text.encode()) < 400_000
+    other = [
+        s.value
+        for s in families["vllm_tenant_requests"].samples
+        if s.labels["tenant_id"] == OTHER and s.name.endswith("_total")
+    ]
+    assert other == [100_000 - 500]
