@@ -44,6 +44,7 @@ class LeaseEvent:
     tier: str
     kind: str  # "start", "renew" or "expire"
     expires_at: float | None  # clock value; None while a request is in flight
+    request_id: str | None = None  # the request whose arrival or finish changed it
 
 
 @dataclass(frozen=True, slots=True)

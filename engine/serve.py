@@ -48,6 +48,7 @@ def _kvlease_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--jwt-keys", default=None)
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-tenant-labels", type=int, default=None)
+    parser.add_argument("--otel", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
     return parser.parse_known_args(list(argv))
 
@@ -105,7 +106,7 @@ def run_serve(argv: Sequence[str]) -> int:
         print(__doc__)
         print(
             "kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N  "
-            "--max-tenant-labels N"
+            "--max-tenant-labels N  --otel"
         )
         print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
         return 0
@@ -119,6 +120,8 @@ def run_serve(argv: Sequence[str]) -> int:
         os.environ["KVLEASE_JWT_KEYS"] = str(Path(args.jwt_keys).resolve())
     if args.max_tenant_labels is not None:
         os.environ["KVLEASE_MAX_TENANT_LABELS"] = str(args.max_tenant_labels)
+    if args.otel:
+        os.environ["KVLEASE_OTEL"] = "1"
     try:
         ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
         from engine.runtime import prepare_environment, require_vllm
@@ -173,6 +176,7 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     from vllm.entrypoints.launchers.launcher import setup_server
 
+    from exporters import tracing
     from exporters.engine_view import VIEW
 
     def interrupt(*_: object) -> None:  # SIGTERM while the engine starts: stop starting
@@ -190,6 +194,7 @@ async def _serve(args: argparse.Namespace) -> None:
     finally:
         await asyncio.sleep(0.3)  # let the channel deliver the engine's last messages
         VIEW.stop()
+        tracing.shutdown()  # emit pending spans and flush the exporter
         sock.close()
 
 

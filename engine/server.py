@@ -23,6 +23,7 @@ import hmac
 import json
 import os
 import secrets
+import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -60,9 +61,22 @@ TENANT_PATHS = frozenset(
 ADMIN_PATHS = frozenset({"/inference/v1/abort_requests"})  # would abort anyone's request
 DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority"})
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
-# Request id -> verified identity, while the request is in flight in this process. The
-# stat-logger plugin attributes vLLM's per-request stats through it.
-IN_FLIGHT: dict[str, TenantContext] = {}
+
+
+@dataclass
+class InFlight:
+    """What the API process knows of one tenant request while it is in flight."""
+
+    ctx: TenantContext
+    path: str
+    started_ns: int  # wall clock
+    traceparent: str | None = None
+    model: str | None = None
+
+
+# Request id -> InFlight, while the request is in this process. The stat-logger plugin
+# attributes vLLM's per-request stats (and tracing parents its spans) through it.
+IN_FLIGHT: dict[str, InFlight] = {}
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -200,11 +214,12 @@ class TenantMiddleware:
             return
 
         request_id = f"kvl-{uuid.uuid4().hex}"
+        entry = InFlight(ctx, scope["path"], time.time_ns(), _header(scope, b"traceparent"))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
         headers.append((b"x-request-id", request_id.encode()))
         scope["headers"] = headers
         if scope["method"] == "POST":
-            rewritten = await self._rewrite_body(scope, receive, send, ctx)
+            rewritten = await self._rewrite_body(scope, receive, send, entry)
             if rewritten is None:
                 return  # already answered with an error
             receive = rewritten
@@ -233,7 +248,7 @@ class TenantMiddleware:
             await send(message)
 
         self.in_flight[ctx.tenant_id] += 1
-        IN_FLIGHT[request_id] = ctx
+        IN_FLIGHT[request_id] = entry
         try:
             await self.app(scope, receive, send_with_id)
         finally:
@@ -247,7 +262,7 @@ class TenantMiddleware:
         await send_error(send, status, message, code, headers)
 
     async def _rewrite_body(
-        self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext
+        self, scope: Scope, receive: Receive, send: Send, entry: InFlight
     ) -> Receive | None:
         """Read the body, put the tenant fields in, and replay it to the app."""
         chunks, size = [], 0
@@ -283,6 +298,9 @@ class TenantMiddleware:
             await send_error(send, 400, f"request body is not valid JSON: {exc}", "invalid_json")
             return None
         if isinstance(doc, dict):
+            ctx = entry.ctx
+            if isinstance(doc.get("model"), str):
+                entry.model = doc["model"]
             doc["vllm_xargs"] = ctx.extra_args()
             if isinstance(doc.get("sampling_params"), dict):  # /inference/v1/generate
                 doc["sampling_params"]["extra_args"] = ctx.extra_args()

@@ -244,7 +244,7 @@ class TenantSchedulingMixin:
         change = self.leases.request_started(tenancy.session, tier.lease_seconds)
         if change is not None:
             holder.protected = True
-            self._lease_event(holder, change.kind, change.expires_at, change.at)
+            self._lease_event(holder, change.kind, change.expires_at, change.at, request.request_id)
         return tenancy
 
     # -- scheduling ------------------------------------------------------------
@@ -403,7 +403,9 @@ class TenantSchedulingMixin:
             holder.in_flight -= 1
             change = self.leases.request_finished(t.session)
             if change is not None:
-                self._lease_event(holder, change.kind, change.expires_at, change.at)
+                self._lease_event(
+                    holder, change.kind, change.expires_at, change.at, request.request_id
+                )
             self._forget_if_idle(t.session, holder)
         self.events.push(
             RequestDone(
@@ -444,10 +446,19 @@ class TenantSchedulingMixin:
             self._lease_event(holder, "expire", change.expires_at, change.at)
             self._forget_if_idle(change.session, holder)
 
-    def _lease_event(self, holder: Holder, kind: str, expires_at: float | None, at: float) -> None:
+    def _lease_event(
+        self,
+        holder: Holder,
+        kind: str,
+        expires_at: float | None,
+        at: float,
+        request_id: str | None = None,
+    ) -> None:
         assert holder.tenant_id is not None and holder.tier is not None
         self.events.push(
-            LeaseEvent(at, holder.tenant_id, holder.session_id, holder.tier, kind, expires_at)
+            LeaseEvent(
+                at, holder.tenant_id, holder.session_id, holder.tier, kind, expires_at, request_id
+            )
         )
 
     def _forget_if_idle(self, session: Hashable, holder: Holder) -> None:

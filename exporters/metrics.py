@@ -266,9 +266,15 @@ def install() -> TenantMetrics:
         return _installed
 
 
-def tenant_of(request_id: str | None):
-    """The TenantContext of an engine request id that TenantMiddleware issued, if in flight."""
+def kvlease_id(request_id: str | None) -> str | None:
+    """The `kvl-...` id TenantMiddleware issued, inside a vLLM engine request id."""
+    match = _REQUEST_ID.search(request_id or "")
+    return match.group(0) if match else None
+
+
+def in_flight(request_id: str | None):
+    """The middleware's InFlight entry for an engine request id, while the request is here."""
     from engine.server import IN_FLIGHT
 
-    match = _REQUEST_ID.search(request_id or "")
-    return IN_FLIGHT.get(match.group(0)) if match else None
+    key = kvlease_id(request_id)
+    return IN_FLIGHT.get(key) if key else None

@@ -3,7 +3,8 @@
 vLLM calls `record()` in the API process after each engine step with
 `FinishedRequestStats` for the requests that just finished: prompt, cached
 and generated tokens, latencies. kvlease attributes each to the tenant that
-TenantMiddleware verified for that request id and feeds kvlease's metrics.
+TenantMiddleware verified for that request id and feeds kvlease's metrics
+and, when tracing is on, its spans.
 """
 
 from __future__ import annotations
@@ -12,21 +13,25 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from exporters import metrics
+from exporters import metrics, tracing
 
 
 class KvleaseStatLogger(StatLoggerBase):
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self.metrics = metrics.install()
+        self.spans = tracing.install()  # None unless tracing is on
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if iteration_stats is None:
             return
         for stats in iteration_stats.finished_requests:
-            ctx = metrics.tenant_of(stats.request_id)
+            entry = metrics.in_flight(stats.request_id)
+            ctx = entry.ctx if entry else None
             self.metrics.request_finished(
                 ctx.tenant_id if ctx else None, ctx.tier if ctx else None, stats
             )
+            if self.spans is not None:
+                self.spans.request_stats(stats, entry)
 
     def log_engine_initialized(self) -> None:
         pass

@@ -173,3 +173,16 @@ def test_one_class_name_builds_the_variant_matching_vllms_async_setting(
     )
     expected = TenantAwareAsyncScheduler if async_scheduling else TenantAwareScheduler
     assert type(scheduler) is expected
+
+
+def test_engine_side_tenant_keys_stay_bounded_under_a_tenant_flood(demo_model, monkeypatch):
+    monkeypatch.setenv("KVLEASE_MAX_TENANT_LABELS", "20")
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, blocks=64)
+    for i in range(400):
+        scheduler.add_request(make_request(f"flood-{i}", TIERS[i % 3], 40, 2, session=f"s{i}"))
+    _run(scheduler)
+    state = scheduler.state()
+    for keys in (state["tenants"], state["lease_summary"], state["totals"]["block_seconds"]):
+        assert len(keys) <= 21  # 20 tenants of their own, the rest as __other__
+    assert "__other__" in state["lease_summary"]
+    assert sum(x["active"] for x in state["lease_summary"].values()) == state["leases_total"]

@@ -1,16 +1,25 @@
-"""kvlease's metrics on a real server under multi-tenant pressure, linted by promtool and
-stored by a real Prometheus (Debian's `prometheus`, installed by `make test`)."""
+"""kvlease's telemetry on a real server under multi-tenant pressure: metrics linted by
+promtool and stored by a real Prometheus (Debian's `prometheus`, installed by
+`make test`); spans exported over OTLP/HTTP to a small receiver that decodes the
+protobuf."""
 
 from __future__ import annotations
 
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port, start
 
@@ -20,15 +29,50 @@ pytestmark = pytest.mark.engine
 TIERS = ("premium", "standard", "free")
 
 
-@pytest.fixture(scope="module")
-def loaded(kvlease_home, tmp_path_factory):
-    """A 64-block server after 12 concurrent long requests, 4 per tier, and a second round."""
-    import sys
+class OtlpReceiver:
+    """An OTLP/HTTP traces endpoint on loopback that keeps every span it decodes."""
 
+    def __init__(self) -> None:
+        self.spans: list = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                for resource_spans in request.resource_spans:
+                    for scope_spans in resource_spans.scope_spans:
+                        receiver.spans.extend(scope_spans.spans)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def otlp():
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def loaded(kvlease_home, tmp_path_factory, otlp):
+    """A 64-block server, tracing on, after two rounds of 12 concurrent long requests."""
     srv = start(
-        [sys.executable, "-m", "engine.cli", "serve", "--num-blocks", "64"],
+        [sys.executable, "-m", "engine.cli", "serve", "--num-blocks", "64", "--otel"],
         kvlease_home,
-        tmp_path_factory.mktemp("metrics") / "server.log",
+        tmp_path_factory.mktemp("telemetry") / "server.log",
+        {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "200"},
     )
 
     def one(i: int) -> int:
@@ -153,3 +197,54 @@ def test_a_real_prometheus_scrapes_and_stores_every_kvlease_metric(loaded, tmp_p
     finally:
         prom.terminate()
         prom.wait(10)
+
+
+def _attributes(span) -> dict:
+    out = {}
+    for kv in span.attributes:
+        value = kv.value
+        out[kv.key] = getattr(value, value.WhichOneof("value"))
+    return out
+
+
+def test_spans_follow_genai_conventions_and_honour_an_incoming_traceparent(loaded, otlp):
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    r = httpx.post(
+        f"{loaded.url}/v1/chat/completions",
+        timeout=120,
+        headers={
+            **loaded.headers("tracer", "premium", session="t1"),
+            "traceparent": f"00-{trace_id}-{parent_id}-01",
+        },
+        json={
+            "model": "kvlease-demo",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "trace me"}],
+        },
+    )
+    assert r.status_code == 200
+    deadline = time.monotonic() + 30
+    mine = []
+    while not mine and time.monotonic() < deadline:
+        mine = [s for s in otlp.spans if s.trace_id.hex() == trace_id]
+        time.sleep(0.2)
+    [span] = mine
+    assert span.parent_span_id.hex() == parent_id
+    assert span.name == "chat kvlease-demo"
+    a = _attributes(span)
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "kvlease-demo"
+    assert a["gen_ai.usage.output_tokens"] == 4 and a["gen_ai.usage.input_tokens"] > 0
+    assert (a["kvlease.tenant_id"], a["kvlease.tier"]) == ("tracer", "premium")
+    assert a["kvlease.lease_active"] is True and "kvlease.kv_block_seconds" in a
+    assert "kvlease.lease.start" in [e.name for e in span.events]
+    assert all("Bearer" not in str(v) for v in a.values())
+
+
+def test_spans_of_the_pressure_workload_carry_preemption_events(loaded, otlp):
+    preempted = [s for s in otlp.spans if any(e.name == "kvlease.preemption" for e in s.events)]
+    assert preempted
+    event = next(e for e in preempted[0].events if e.name == "kvlease.preemption")
+    attrs = {kv.key: kv.value for kv in event.attributes}
+    assert attrs["kvlease.preemption.mode"].string_value == "recompute"
+    assert attrs["kvlease.preemption.blocks"].int_value > 0
+    assert _attributes(preempted[0])["kvlease.preemptions"] >= 1
