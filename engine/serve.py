@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from engine.runtime import VllmVersionError, prepare_environment, require_vllm
 from engine.server import ConfigError, ServerConfig, error_body
 from engine.tenancy import TIERS_ENV, TierConfigError
 
@@ -124,13 +125,8 @@ def run_serve(argv: Sequence[str]) -> int:
         os.environ["KVLEASE_OTEL"] = "1"
     try:
         ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
-        from engine.runtime import prepare_environment, require_vllm
-
         require_vllm()
-    except (ConfigError, TierConfigError) as exc:
-        print(f"kvlease serve: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:  # VllmVersionError
+    except (ConfigError, TierConfigError, VllmVersionError) as exc:
         print(f"kvlease serve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -150,8 +150,9 @@ async def send_error(send: Send, status: int, message: str, code: str, headers=(
 
 
 def route_class(path: str) -> str:
-    """ "public", "tenant" (any verified token) or "admin" (role-gated: /admin/* and
-    every other route, such as vLLM's operational endpoints)."""
+    """Who may call `path`: "public" (anyone), "tenant" (any verified token) or "admin"
+    (role-gated: /admin/* checks its own roles; every other route, such as vLLM's
+    operational endpoints, needs the admin role)."""
     if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
         return "public"
     if path in ADMIN_PATHS:
@@ -178,23 +179,21 @@ class TenantMiddleware:
             # A websocket body cannot be rewritten, so it would reach the engine unsalted.
             await send({"type": "websocket.close", "code": 1008, "reason": "not served"})
             return
-        if scope["type"] != "http" or route_class(scope["path"]) == "public":
+        klass = route_class(scope["path"]) if scope["type"] == "http" else "public"
+        if klass == "public":
             await self.app(scope, receive, send)
             return
         try:
             ctx = self.config.authenticator.authenticate(_header(scope, b"authorization"))
         except AuthError as err:
-            await self._refuse(scope, send, err.status, err.message, err.code)
+            await self._refuse(send, err.status, err.message, err.code)
             return
-        klass = route_class(scope["path"])
         if (
             klass == "admin"
             and not scope["path"].startswith("/admin/")
             and ("admin" not in ctx.roles)
         ):
-            await self._refuse(
-                scope, send, 403, "this route needs the 'admin' role", "role_not_allowed"
-            )
+            await self._refuse(send, 403, "this route needs the 'admin' role", "role_not_allowed")
             return
         scope.setdefault("state", {})[STATE_KEY] = ctx
         if klass != "tenant":
@@ -257,7 +256,7 @@ class TenantMiddleware:
             if not self.in_flight[ctx.tenant_id]:
                 del self.in_flight[ctx.tenant_id]
 
-    async def _refuse(self, scope: Scope, send: Send, status: int, message: str, code: str):
+    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
         headers = [(b"www-authenticate", b'Bearer realm="kvlease"')] if status == 401 else []
         await send_error(send, status, message, code, headers)
 

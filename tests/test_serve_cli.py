@@ -1,0 +1,65 @@
+"""`kvlease serve` refuses a bad configuration at once: one line, exit status 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _serve(*args, env_secret=True):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEASE_")}
+    if env_secret:
+        env["KVLEASE_JWT_SECRET"] = "s" * 48
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_serve_without_a_key_refuses_to_start():
+    done = _serve("--port", "1", env_secret=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "kvlease serve: error: no JWT key configured: set KVLEASE_JWT_SECRET (HS256 secret, "
+        "at least 32 bytes) or pass --jwt-keys PATH (a JWKS file)"
+    ]
+
+
+def test_serve_refuses_a_scheduler_other_than_kvleases():
+    done = _serve("--scheduler-cls", "my.Scheduler")
+    assert done.returncode == 2 and "--scheduler-cls is set by kvlease serve" in done.stderr
+
+
+def test_serve_refuses_a_bad_tier_file(tmp_path):
+    bad = tmp_path / "tiers.toml"
+    bad.write_text('currency = "USD"\n[tiers.free]\npriority = -1\n')
+    done = _serve("--tiers", str(bad))
+    assert done.returncode == 2 and "tiers.toml" in done.stderr
+
+
+@pytest.mark.engine  # imports vLLM's argument parser (about 10 s)
+def test_serve_refuses_a_pool_smaller_than_one_request(kvlease_home):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "serve",
+            "--num-blocks",
+            "8",
+            "--max-model-len",
+            "1024",
+            "--port",
+            "1",
+        ],
+        env={**os.environ, "KVLEASE_JWT_SECRET": "s" * 48, "KVLEASE_HOME": str(kvlease_home)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "--num-blocks 8 of 32 tokens holds at most 224 tokens" in done.stderr
