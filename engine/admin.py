@@ -12,7 +12,7 @@ from argparse import Namespace
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.auth import AuthError, require_role
 from engine.server import STATE_KEY, error_payload
@@ -44,6 +44,68 @@ async def admin_state(request: Request) -> Any:
     return state
 
 
+def _window(request: Request) -> tuple[float, float, str]:
+    from exporters.billing import parse_window
+
+    q = request.query_params
+    granularity = q.get("granularity", "month")
+    if granularity not in ("hour", "day", "month"):
+        raise ValueError("granularity must be hour, day or month")
+    start, end = parse_window(q.get("from"), q.get("to"))
+    return start, end, granularity
+
+
+def _ledger():
+    from exporters import ledger
+    from exporters.usage import UsageLedger
+
+    return ledger.WRITER.ledger if ledger.WRITER is not None else UsageLedger()
+
+
+async def usage_csv(request: Request) -> Any:
+    """The FOCUS CSV of `kvlease usage export` for a window, streamed (role: finance)."""
+    from engine.tenancy import TierTable
+    from exporters.billing import FOCUS_COLUMNS, RAW_COLUMNS, csv_chunks, focus_rows, raw_rows
+
+    if (refused := _authorize(request, "finance")) is not None:
+        return refused
+    try:
+        start, end, granularity = _window(request)
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_window")
+    tenants = request.query_params.getlist("tenant")
+    records = _ledger().read(start, end, tenants)
+    if request.query_params.get("format", "focus") == "raw":
+        chunks = csv_chunks(raw_rows(records), RAW_COLUMNS)
+    else:
+        chunks = csv_chunks(focus_rows(records, granularity, TierTable.load()), FOCUS_COLUMNS)
+    name = f"kvlease-usage-{granularity}.csv"
+    return StreamingResponse(  # a sync iterator: Starlette runs it in its thread pool
+        chunks,
+        media_type="text/csv",
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )
+
+
+async def usage_json(request: Request) -> Any:
+    """FOCUS rows as JSON: finance and admin see every tenant, a tenant only itself."""
+    from engine.tenancy import TierTable
+    from exporters.billing import focus_rows
+
+    ctx = getattr(request.state, STATE_KEY, None)
+    if ctx is None:
+        return _error(401, "usage routes need kvlease's TenantMiddleware", "missing_token")
+    try:
+        start, end, granularity = _window(request)
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_window")
+    tenants = request.query_params.getlist("tenant")
+    if not ({"finance", "admin"} & ctx.roles):
+        tenants = [ctx.tenant_id]  # a tenant sees its own usage only
+    rows = focus_rows(_ledger().read(start, end, tenants), granularity, TierTable.load())
+    return {"tenant_filter": tenants, "rows": list(rows)}
+
+
 async def ready(request: Request) -> Any:
     """200 once the engine serves (vLLM serves routes only after the engine is up)."""
     return {"status": "ready", "engine_state": VIEW.snapshot() is not None}
@@ -56,6 +118,8 @@ class KvleaseAdminPlugin:
     def attach_router(self, app: FastAPI) -> None:
         app.add_api_route("/admin/state", admin_state, methods=["GET"], tags=["kvlease"])
         app.add_api_route("/ready", ready, methods=["GET"], tags=["kvlease"])
+        app.add_api_route("/admin/usage.csv", usage_csv, methods=["GET"], tags=["kvlease"])
+        app.add_api_route("/admin/usage", usage_json, methods=["GET"], tags=["kvlease"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         from exporters import metrics

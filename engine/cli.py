@@ -41,6 +41,23 @@ def _build_parser() -> argparse.ArgumentParser:
     token.add_argument("--jwt-keys", default=None, help="JWKS key-ring file ($KVLEASE_JWT_KEYS)")
     _add_tiers_arg(token)
 
+    usage = sub.add_parser("usage", help="the usage ledger")
+    usage_sub = usage.add_subparsers(dest="usage_command", required=True)
+    export = usage_sub.add_parser(
+        "export",
+        help="billing export of the ledger: FinOps FOCUS v1.2 CSV (or raw records)",
+        description="Export usage ended in [--from, --to) (UTC dates or ISO times; default: "
+        "this month) as CSV.",
+    )
+    export.add_argument("--from", dest="start", default=None, help="start, e.g. 2026-11-01")
+    export.add_argument("--to", dest="end", default=None, help="end (exclusive)")
+    export.add_argument("--granularity", choices=["hour", "day", "month"], default="month")
+    export.add_argument("--format", choices=["focus", "raw"], default="focus")
+    export.add_argument("--tenant", action="append", default=[], help="repeatable")
+    export.add_argument("-o", "--output", default="-", help="file, or - for stdout")
+    export.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
+    _add_tiers_arg(export)
+
     demo = sub.add_parser("demo", help="build the demo model and answer one tenant's chat")
     demo.add_argument("--model", default=None, help="local path or hub id (default: demo model)")
     _add_tiers_arg(demo)
@@ -71,6 +88,34 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _usage_export(args: argparse.Namespace) -> int:
+    from exporters.billing import (
+        FOCUS_COLUMNS,
+        RAW_COLUMNS,
+        csv_chunks,
+        focus_rows,
+        parse_window,
+        raw_rows,
+    )
+    from exporters.usage import UsageLedger
+
+    tiers = TierTable.load(args.tiers)
+    start, end = parse_window(args.start, args.end)
+    records = UsageLedger(args.usage_db).read(start, end, args.tenant)
+    if args.format == "focus":
+        chunks = csv_chunks(focus_rows(records, args.granularity, tiers), FOCUS_COLUMNS)
+    else:
+        chunks = csv_chunks(raw_rows(records), RAW_COLUMNS)
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        for chunk in chunks:
+            out.write(chunk)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # every flag kvlease does not own goes to vLLM's parser
@@ -81,10 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "token":
             return _token(args)
+        if args.command == "usage":
+            return _usage_export(args)
         from engine.demo import run_demo
 
         return run_demo(model=args.model, tiers_path=args.tiers)
-    except (KeyConfigError, TierConfigError, VllmVersionError) as exc:
+    except (KeyConfigError, TierConfigError, VllmVersionError, ValueError) as exc:
         print(f"kvlease {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -60,6 +60,8 @@ class RequestDone:
     preemptions: int
     discarded_tokens: int
     block_seconds: float
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 Event = Preemption | Eviction | LeaseEvent | RequestDone

@@ -50,6 +50,7 @@ def _kvlease_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-tenant-labels", type=int, default=None)
     parser.add_argument("--otel", action="store_true")
+    parser.add_argument("--usage-db", default=None)
     parser.add_argument("-h", "--help", action="store_true")
     return parser.parse_known_args(list(argv))
 
@@ -107,7 +108,7 @@ def run_serve(argv: Sequence[str]) -> int:
         print(__doc__)
         print(
             "kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N  "
-            "--max-tenant-labels N  --otel"
+            "--max-tenant-labels N  --otel  --usage-db URL"
         )
         print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
         return 0
@@ -123,6 +124,16 @@ def run_serve(argv: Sequence[str]) -> int:
         os.environ["KVLEASE_MAX_TENANT_LABELS"] = str(args.max_tenant_labels)
     if args.otel:
         os.environ["KVLEASE_OTEL"] = "1"
+    from exporters.usage import DB_ENV, default_url
+
+    os.environ[DB_ENV] = args.usage_db or default_url()
+    try:
+        from exporters.usage import UsageLedger
+
+        UsageLedger(os.environ[DB_ENV])  # reachable, and migrated, before the engine starts
+    except Exception as exc:
+        print(f"kvlease serve: error: usage ledger {os.environ[DB_ENV]!r}: {exc}", file=sys.stderr)
+        return 2
     try:
         ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
         require_vllm()
@@ -172,8 +183,9 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     from vllm.entrypoints.launchers.launcher import setup_server
 
-    from exporters import tracing
+    from exporters import ledger, tracing
     from exporters.engine_view import VIEW
+    from exporters.requests import JOIN
 
     def interrupt(*_: object) -> None:  # SIGTERM while the engine starts: stop starting
         raise KeyboardInterrupt("terminated")
@@ -190,7 +202,9 @@ async def _serve(args: argparse.Namespace) -> None:
     finally:
         await asyncio.sleep(0.3)  # let the channel deliver the engine's last messages
         VIEW.stop()
-        tracing.shutdown()  # emit pending spans and flush the exporter
+        JOIN.flush()  # pending spans and usage records go out now
+        ledger.shutdown()  # commit what is queued
+        tracing.shutdown()  # flush the span exporter
         sock.close()
 
 

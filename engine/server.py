@@ -18,9 +18,11 @@ error shape. Use it with `kvlease serve`, or alone on a plain vLLM server:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
 import time
@@ -32,12 +34,14 @@ from typing import Any
 
 from engine.auth import Authenticator, AuthError, AuthSettings, KeyConfigError, KeyRing
 from engine.tenancy import TenantContext, TierTable
+from exporters import ledger
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
+logger = logging.getLogger("kvlease.server")
 SALT_KEY_ENV = "KVLEASE_CACHE_SALT_KEY"
 MAX_BODY_ENV = "KVLEASE_MAX_BODY_BYTES"
 PUBLIC_PREFIXES = ("/metrics/",)  # vLLM mounts its Prometheus app at /metrics
@@ -59,6 +63,16 @@ TENANT_PATHS = frozenset(
     {"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/invocations"}
 )
 ADMIN_PATHS = frozenset({"/inference/v1/abort_requests"})  # would abort anyone's request
+# Routes whose successful responses are engine requests with a usage record.
+GENERATION_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/inference/v1/generate",
+    }
+)
 DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority"})
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
 
@@ -224,12 +238,18 @@ class TenantMiddleware:
             receive = rewritten
 
         unsupported = False
+        record = None  # resolved once this request's usage record has committed
+        writer = ledger.WRITER
+        if writer is not None and scope["path"] in GENERATION_PATHS:
+            record = writer.expect(request_id)
+        hold = False
 
         async def send_with_id(message: Message) -> None:
             # vLLM answers 501 for an API the served model does not support; to a
             # client that is a route that is not here: 404, not a server error.
-            nonlocal unsupported
+            nonlocal unsupported, hold
             if message["type"] == "http.response.start":
+                hold = record is not None and message["status"] == 200
                 if message["status"] == 501:
                     unsupported = True
                     await send_error(
@@ -244,6 +264,8 @@ class TenantMiddleware:
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
             elif unsupported:
                 return
+            elif hold and not message.get("more_body", False):
+                await _until_committed(record, request_id)
             await send(message)
 
         self.in_flight[ctx.tenant_id] += 1
@@ -251,6 +273,8 @@ class TenantMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if record is not None:
+                writer.forget(request_id)
             IN_FLIGHT.pop(request_id, None)
             self.in_flight[ctx.tenant_id] -= 1
             if not self.in_flight[ctx.tenant_id]:
@@ -319,6 +343,14 @@ class TenantMiddleware:
             return await receive()  # after the body: disconnects reach vLLM as usual
 
         return replay
+
+
+async def _until_committed(record: asyncio.Future, request_id: str) -> None:
+    """Hold the last byte until the usage record is durable, within a bound."""
+    try:
+        await asyncio.wait_for(asyncio.shield(record), ledger.wait_seconds())
+    except TimeoutError:
+        logger.warning("usage record for %s not committed in time; answering anyway", request_id)
 
 
 def _header(scope: Scope, name: bytes, default: str | None = None) -> str | None:

@@ -418,6 +418,8 @@ class TenantSchedulingMixin:
                 request.num_preemptions,
                 t.discarded_tokens,
                 self.accounting.request_done(request.request_id),
+                request.num_prompt_tokens,
+                request.num_output_tokens,
             )
         )
         return result

@@ -5,11 +5,8 @@ out through the standard OTLP exporter settings (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_PROTOCOL` =
 `http/protobuf` (default) or `grpc`, headers, timeouts, `OTEL_SERVICE_NAME`).
 
-A span needs two halves that reach the API process separately: vLLM's
-`FinishedRequestStats` (stat-logger plugin: tokens, latency) and the
-scheduler's events over the engine channel (block-seconds, preemptions, lease
-changes). `SpanAssembler` joins them by request id and emits the span once
-both have arrived, or after a timeout with what it has. The parent is the
+Spans are built from `exporters.requests.FinishedRequest`s: vLLM's stats
+joined with the scheduler's events by request id. The parent is the
 request's incoming `traceparent` header, when it had one. Tokens and keys
 never become attributes.
 """
@@ -19,13 +16,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from exporters.metrics import kvlease_id
+from exporters.requests import JOIN, FinishedRequest
 
 ENABLE_ENV = "KVLEASE_OTEL"
 OPERATIONS = {
@@ -37,83 +33,15 @@ OPERATIONS = {
 FINISH_REASONS = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "repetition"}
 
 
-@dataclass
-class _Pending:
-    created: float  # monotonic, for the timeout
-    entry: Any = None  # engine.server.InFlight
-    stats: Any = None  # vLLM FinishedRequestStats
-    done: dict | None = None  # the scheduler's RequestDone event
-    events: list[dict] = field(default_factory=list)  # Preemption and LeaseEvent events
+class SpanBuilder:
+    """A RequestJoin consumer: one span per finished request."""
 
-
-class SpanAssembler:
-    """Joins per-request halves into spans. Thread-safe: engine events come from the
-    channel thread, stats from the event loop. Memory: at most `max_pending` requests."""
-
-    def __init__(self, tracer: Tracer, timeout: float = 30.0, max_pending: int = 10_000) -> None:
+    def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
-        self.timeout = timeout
-        self.max_pending = max_pending
-        self._pending: dict[str, _Pending] = {}
-        self._lock = threading.Lock()
 
-    def engine_event(self, event: dict) -> None:
-        kind = event.get("type")
-        if kind not in ("Preemption", "LeaseEvent", "RequestDone"):
-            return
-        key = kvlease_id(event.get("request_id"))
-        if key is None:
-            return
-        with self._lock:
-            pending = self._get(key)
-            if kind == "RequestDone":
-                pending.done = event
-            else:
-                pending.events.append(event)
-            ready = self._take_if_ready(key)
-        if ready:
-            self._emit(ready)
-
-    def request_stats(self, stats: Any, entry: Any) -> None:
-        key = kvlease_id(stats.request_id)
-        if key is None:
-            return
-        with self._lock:
-            pending = self._get(key)
-            pending.stats, pending.entry = stats, entry
-            ready = self._take_if_ready(key)
-            stale = self._take_stale(keep=key)
-        for item in ([ready] if ready else []) + stale:
-            self._emit(item)
-
-    def flush(self) -> None:
-        """Emit everything that has its stats (at shutdown)."""
-        with self._lock:
-            items = [p for p in self._pending.values() if p.stats is not None]
-            self._pending.clear()
-        for item in items:
-            self._emit(item)
-
-    def _get(self, key: str) -> _Pending:
-        pending = self._pending.get(key)
-        if pending is None:
-            if len(self._pending) >= self.max_pending:
-                self._pending.pop(next(iter(self._pending)))  # the oldest
-            pending = self._pending[key] = _Pending(time.monotonic())
-        return pending
-
-    def _take_if_ready(self, key: str) -> _Pending | None:
-        pending = self._pending[key]
-        if pending.stats is not None and pending.done is not None:
-            return self._pending.pop(key)
-        return None
-
-    def _take_stale(self, keep: str) -> list[_Pending]:
-        cutoff = time.monotonic() - self.timeout
-        stale = [k for k, p in self._pending.items() if p.created < cutoff and k != keep]
-        return [p for p in (self._pending.pop(k) for k in stale) if p.stats is not None]
-
-    def _emit(self, p: _Pending) -> None:
+    def __call__(self, p: FinishedRequest) -> None:
+        if p.stats is None:
+            return  # no vLLM stats (a request that never produced output): no span
         stats, entry, done = p.stats, p.entry, p.done or {}
         end_ns = entry.started_ns + int(stats.e2e_latency * 1e9) if entry else time.time_ns()
         start_ns = entry.started_ns if entry else end_ns - int(stats.e2e_latency * 1e9)
@@ -171,7 +99,6 @@ def _span_event(event: dict) -> tuple[str, dict, int]:
     return f"kvlease.lease.{event['kind']}", attributes, at_ns
 
 
-_assembler: SpanAssembler | None = None
 _provider: Any = None
 _lock = threading.Lock()
 
@@ -180,17 +107,15 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").lower() in ("1", "true", "yes", "on")
 
 
-def install() -> SpanAssembler | None:
-    """The process's assembler, exporting over OTLP, or None when tracing is off."""
-    global _assembler, _provider
+def install() -> None:
+    """Add span building to the request join, exporting over OTLP, when tracing is on."""
+    global _provider
     with _lock:
-        if _assembler is not None or not enabled():
-            return _assembler
+        if _provider is not None or not enabled():
+            return
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        from exporters.engine_view import VIEW
 
         protocol = os.environ.get(
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
@@ -203,14 +128,10 @@ def install() -> SpanAssembler | None:
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvlease")})
         _provider = TracerProvider(resource=resource)  # kvlease's own: vLLM's stays untouched
         _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        _assembler = SpanAssembler(_provider.get_tracer("kvlease"))
-        VIEW.add_listener(_assembler.engine_event)
-        return _assembler
+        JOIN.consumers.append(SpanBuilder(_provider.get_tracer("kvlease")))
 
 
 def shutdown() -> None:
-    """Emit what is pending and flush the exporter (on SIGTERM)."""
-    if _assembler is not None:
-        _assembler.flush()
+    """Flush the exporter (on SIGTERM, after the request join has been flushed)."""
     if _provider is not None:
         _provider.shutdown()

@@ -12,19 +12,26 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from engine.server import InFlight
 from engine.tenancy import TenantContext
-from exporters.tracing import SpanAssembler
+from exporters.requests import RequestJoin
+from exporters.tracing import SpanBuilder
 
 KVL = "kvl-" + "ab" * 16
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 
 
-@pytest.fixture
-def spans():
+def _join(timeout: float = 30.0):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return SpanAssembler(provider.get_tracer("test")), exporter
+    join = RequestJoin(timeout=timeout)
+    join.consumers.append(SpanBuilder(provider.get_tracer("test")))
+    return join, exporter
+
+
+@pytest.fixture
+def spans():
+    return _join()
 
 
 def _entry():
@@ -117,9 +124,8 @@ def test_one_span_per_request_with_genai_and_kvlease_attributes(spans, stats_fir
     assert not any(k == "token" or "secret" in k for k in a)
 
 
-def test_a_request_whose_engine_half_never_comes_is_emitted_after_the_timeout(spans):
-    _, exporter = spans
-    assembler = SpanAssembler(spans[0].tracer, timeout=0.0)
+def test_a_request_whose_engine_half_never_comes_is_emitted_after_the_timeout():
+    assembler, exporter = _join(timeout=0.0)
     assembler.request_stats(_stats(), _entry())  # no RequestDone yet
     other = SimpleNamespace(**{**vars(_stats()), "request_id": "cmpl-kvl-" + "cd" * 16})
     assembler.request_stats(other, None)  # the next arrival sweeps stale entries

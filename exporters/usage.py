@@ -1,0 +1,165 @@
+"""The usage ledger: one durable record per finished request, for billing.
+
+SQLAlchemy Core over SQLite (WAL; the embedded default) or PostgreSQL (one
+ledger for many replicas: the same code, a `postgresql://` URL). The request
+id is the primary key and the idempotency key: writing a record twice, or
+replaying records after a crash, changes nothing. The schema is versioned;
+`migrate()` applies what a database lacks, in order, in one transaction.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+
+from sqlalchemy import (
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    event,
+    select,
+    text,
+)
+from sqlalchemy.engine import Engine
+
+from engine.paths import kvlease_home
+
+DB_ENV = "KVLEASE_USAGE_DB"
+OUTCOMES = ("completed", "aborted", "failed")
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One finished request. Times are UTC epoch seconds."""
+
+    request_id: str
+    tenant_id: str
+    tier: str | None
+    session_id: str | None
+    model: str
+    started_at: float
+    ended_at: float
+    input_tokens: int
+    cached_input_tokens: int
+    output_tokens: int
+    recomputed_tokens: int
+    preemptions: int
+    kv_block_seconds: float
+    outcome: str
+
+
+metadata = MetaData()
+records = Table(
+    "usage_records",
+    metadata,
+    Column("request_id", String(200), primary_key=True),
+    Column("tenant_id", String(128), nullable=False),
+    Column("tier", String(32)),
+    Column("session_id", String(128)),
+    Column("model", String(200), nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("ended_at", Float, nullable=False),
+    Column("input_tokens", Integer, nullable=False),
+    Column("cached_input_tokens", Integer, nullable=False),
+    Column("output_tokens", Integer, nullable=False),
+    Column("recomputed_tokens", Integer, nullable=False),
+    Column("preemptions", Integer, nullable=False),
+    Column("kv_block_seconds", Float, nullable=False),
+    Column("outcome", String(16), nullable=False),
+)
+# Version -> statements. Append, never edit: a database at version N runs N+1.. only.
+MIGRATIONS: dict[int, Sequence[str]] = {
+    1: (
+        "CREATE TABLE IF NOT EXISTS usage_records ("
+        " request_id VARCHAR(200) PRIMARY KEY, tenant_id VARCHAR(128) NOT NULL,"
+        " tier VARCHAR(32), session_id VARCHAR(128), model VARCHAR(200) NOT NULL,"
+        " started_at FLOAT NOT NULL, ended_at FLOAT NOT NULL, input_tokens INTEGER NOT NULL,"
+        " cached_input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,"
+        " recomputed_tokens INTEGER NOT NULL, preemptions INTEGER NOT NULL,"
+        " kv_block_seconds FLOAT NOT NULL, outcome VARCHAR(16) NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS usage_records_tenant_end ON usage_records"
+        " (tenant_id, ended_at)",
+        "CREATE INDEX IF NOT EXISTS usage_records_end ON usage_records (ended_at)",
+    ),
+}
+SCHEMA_VERSION = max(MIGRATIONS)
+
+
+def default_url() -> str:
+    return os.environ.get(DB_ENV) or f"sqlite:///{kvlease_home() / 'usage.db'}"
+
+
+class UsageLedger:
+    """A ledger database. Thread-safe (SQLAlchemy pools connections); writes are
+    batched by the caller (`exporters.ledger_writer`)."""
+
+    def __init__(self, url: str | None = None) -> None:
+        self.url = url or default_url()
+        if self.url.startswith("sqlite:///"):
+            path = self.url.removeprefix("sqlite:///")
+            if path and path != ":memory:":
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        elif self.url.startswith("postgresql://"):
+            self.url = "postgresql+psycopg://" + self.url.removeprefix("postgresql://")
+        self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
+        if self.engine.dialect.name == "sqlite":
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.migrate()
+
+    def migrate(self) -> int:
+        """Bring the schema to SCHEMA_VERSION; returns the version it found."""
+        with self.engine.begin() as conn:
+            conn.execute(text("CREATE TABLE IF NOT EXISTS kvlease_schema (version INTEGER)"))
+            found = conn.execute(text("SELECT max(version) FROM kvlease_schema")).scalar() or 0
+            for version in sorted(v for v in MIGRATIONS if v > found):
+                for statement in MIGRATIONS[version]:
+                    conn.execute(text(statement))
+                conn.execute(
+                    text("INSERT INTO kvlease_schema (version) VALUES (:v)"), {"v": version}
+                )
+        return found
+
+    def write(self, batch: Iterable[UsageRecord]) -> int:
+        """Insert records, skipping request ids already present. One transaction."""
+        rows = [asdict(r) for r in batch]
+        if not rows:
+            return 0
+        dialect = self.engine.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        statement = insert(records).on_conflict_do_nothing(index_elements=["request_id"])
+        with self.engine.begin() as conn:
+            return conn.execute(statement, rows).rowcount or 0
+
+    def read(
+        self, start: float, end: float, tenants: Sequence[str] = (), batch: int = 5000
+    ) -> Iterator[UsageRecord]:
+        """Records ended in [start, end), by tenant, model, end time; streamed."""
+        query = select(records).where(records.c.ended_at >= start, records.c.ended_at < end)
+        if tenants:
+            query = query.where(records.c.tenant_id.in_(list(tenants)))
+        query = query.order_by(records.c.tenant_id, records.c.model, records.c.ended_at)
+        names = [f.name for f in fields(UsageRecord)]
+        with self.engine.connect().execution_options(stream_results=True) as conn:
+            for chunk in conn.execute(query).partitions(batch):
+                for row in chunk:
+                    yield UsageRecord(**{n: row._mapping[n] for n in names})
+
+    def count(self) -> int:
+        with self.engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM usage_records")).scalar() or 0
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")  # a committed record survives a crash
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()

@@ -1,0 +1,163 @@
+"""The usage ledger and the FOCUS billing export, on SQLite (and PostgreSQL in the server tests)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from decimal import Decimal
+
+import pytest
+
+from engine.cli import main
+from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows, period, record_cost
+from exporters.usage import SCHEMA_VERSION, UsageLedger, UsageRecord
+
+NOV = 1793491200.0  # 2026-11-01T00:00:00Z
+
+
+def rec(i: int, tenant="acme", tier="premium", model="m", at=NOV + 3600, **kw) -> UsageRecord:
+    base = dict(
+        request_id=f"kvl-{i:032x}",
+        tenant_id=tenant,
+        tier=tier,
+        session_id=None,
+        model=model,
+        started_at=at - 2,
+        ended_at=at,
+        input_tokens=1000,
+        cached_input_tokens=400,
+        output_tokens=500,
+        recomputed_tokens=70,
+        preemptions=1,
+        kv_block_seconds=36.0,
+        outcome="completed",
+    )
+    return UsageRecord(**{**base, **kw})
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    return UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
+
+
+def test_writes_are_idempotent_by_request_id(ledger):
+    assert ledger.write([rec(1), rec(2)]) == 2
+    assert ledger.write([rec(2), rec(3)]) == 1  # a replayed record changes nothing
+    assert ledger.count() == 3
+
+
+def test_schema_is_versioned_and_migration_is_idempotent(ledger):
+    assert ledger.migrate() == SCHEMA_VERSION
+    with ledger.engine.connect() as conn:
+        versions = conn.exec_driver_sql("SELECT version FROM kvlease_schema").scalars().all()
+    assert versions == sorted(set(versions)) == list(range(1, SCHEMA_VERSION + 1))
+
+
+def test_sqlite_runs_in_wal_mode(ledger):
+    with ledger.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+
+
+def test_read_streams_a_window_sorted_for_grouping(ledger):
+    ledger.write(
+        [rec(1, "b"), rec(2, "a", at=NOV + 10), rec(3, "a", at=NOV + 5), rec(4, "a", at=NOV - 5)]
+    )
+    got = [r.request_id[-1] for r in ledger.read(NOV, NOV + 86400)]
+    assert got == ["3", "2", "1"]
+    assert [r.tenant_id for r in ledger.read(NOV, NOV + 86400, ["b"])] == ["b"]
+
+
+def test_cost_is_exact_and_recomputed_tokens_are_never_billed(tiers):
+    p = tiers["premium"].prices
+    expected = (
+        Decimal(600) / 1000 * p.input_per_1k
+        + Decimal(400) / 1000 * p.cached_input_per_1k
+        + Decimal(500) / 1000 * p.output_per_1k
+        + Decimal("0.01") * p.block_hour
+    )
+    assert record_cost(rec(1), tiers) == expected
+    assert record_cost(rec(1, recomputed_tokens=10**6), tiers) == expected
+    assert record_cost(rec(1, tier=None), tiers) == 0
+
+
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+
+
+def _focus(records, tiers, granularity="day") -> list[dict]:
+    text = "".join(csv_chunks(focus_rows(records, granularity, tiers), FOCUS_COLUMNS))
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_focus_export_validates(tiers):
+    records = [
+        rec(i, tenant, tier, at=NOV + 3600 * h)
+        for i, (tenant, tier, h) in enumerate(
+            [
+                ("acme", "premium", 1),
+                ("acme", "premium", 2),
+                ("acme", "premium", 30),
+                ("bob", "free", 1),
+            ]
+        )
+    ]
+    rows = _focus(records, tiers)
+    assert [(r["SubAccountId"], r["ChargePeriodStart"]) for r in rows] == [
+        ("acme", "2026-11-01T00:00:00Z"),
+        ("acme", "2026-11-02T00:00:00Z"),
+        ("bob", "2026-11-01T00:00:00Z"),
+    ]
+    for row in rows:
+        assert set(FOCUS_COLUMNS) == set(row)
+        for column in (
+            "ChargePeriodStart",
+            "ChargePeriodEnd",
+            "BillingPeriodStart",
+            "BillingPeriodEnd",
+        ):
+            assert TIMESTAMP.match(row[column])
+        assert (row["ConsumedUnit"] == "") == (row["ConsumedQuantity"] == "")
+        assert row["BilledCost"] == row["EffectiveCost"] == row["ListCost"] == row["ContractedCost"]
+        assert row["BillingCurrency"] == "USD" and row["ChargeCategory"] == "Usage"
+    first = rows[0]
+    assert first["x_Requests"] == "2" and first["x_InputTokens"] == "2000"
+    assert first["x_RecomputedTokens"] == "140"
+    assert Decimal(first["BilledCost"]) == 2 * record_cost(records[0], tiers)
+    assert Decimal(rows[2]["BilledCost"]) == 0  # free tier
+    assert first["BillingPeriodStart"] == "2026-11-01T00:00:00Z"
+    assert first["BillingPeriodEnd"] == "2026-12-01T00:00:00Z"
+
+
+def test_row_keys_are_stable_and_unique_per_tenant_model_period(tiers):
+    records = [rec(1), rec(2, model="other"), rec(3, at=NOV + 90000)]
+    keys = [r["x_RowKey"] for r in _focus(records, tiers)]
+    assert len(set(keys)) == 3
+    assert keys == [r["x_RowKey"] for r in _focus(list(reversed(records[:1])) + records[1:], tiers)]
+
+
+@pytest.mark.parametrize(
+    ("granularity", "length"), [("hour", 3600), ("day", 86400), ("month", 30 * 86400)]
+)
+def test_periods(granularity, length):
+    start, end = period(NOV + 4000, granularity)
+    assert start == (NOV + 3600 if granularity == "hour" else NOV)
+    assert end - start == length
+
+
+def _export(ledger, *extra: str) -> int:
+    """`kvlease usage export` over November 2026."""
+    window = ["--from", "2026-11-01", "--to", "2026-12-01"]
+    return main(["usage", "export", "--usage-db", ledger.url, *window, *extra])
+
+
+def test_cli_export_writes_focus_and_raw_csv(ledger, tiers, tmp_path, capsys):
+    ledger.write([rec(1), rec(2, "bob", "free")])
+    out = tmp_path / "nov.csv"
+    assert _export(ledger, "--granularity", "month", "-o", str(out)) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["SubAccountId"] for r in rows] == ["acme", "bob"]
+    assert _export(ledger, "--format", "raw", "--tenant", "bob") == 0
+    raw = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["tenant_id"] for r in raw] == ["bob"] and raw[0]["ended_at"].endswith("Z")
+    bad = main(["usage", "export", "--usage-db", ledger.url, "--from", "yesterday"])
+    assert bad == 2
