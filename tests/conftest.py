@@ -68,3 +68,11 @@ def kvlease_engine(demo_model):
         recording(TenantAwareScheduler),
         additional_config={"kvlease": {"debug_accounting": True}},
     )
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    from pg import postgres_cluster
+
+    with postgres_cluster() as url:
+        yield url

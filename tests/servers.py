@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -63,6 +64,10 @@ class Server:
         return r.json()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
+        """Signal the server; SIGKILL takes its whole process group (engine, workers) too."""
+        if sig == signal.SIGKILL:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:

@@ -36,9 +36,16 @@ def rec(i: int, tenant="acme", tier="premium", model="m", at=NOV + 3600, **kw) -
     return UsageRecord(**{**base, **kw})
 
 
-@pytest.fixture
-def ledger(tmp_path):
-    return UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger(request, tmp_path):
+    """The same tests on the embedded SQLite ledger and on a real PostgreSQL server."""
+    if request.param == "sqlite":
+        return UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
+    url = request.getfixturevalue("postgres_url")
+    ledger = UsageLedger(url)
+    with ledger.engine.begin() as conn:  # a clean table per test
+        conn.exec_driver_sql("DELETE FROM usage_records")
+    return ledger
 
 
 def test_writes_are_idempotent_by_request_id(ledger):
@@ -55,6 +62,8 @@ def test_schema_is_versioned_and_migration_is_idempotent(ledger):
 
 
 def test_sqlite_runs_in_wal_mode(ledger):
+    if ledger.engine.dialect.name != "sqlite":
+        pytest.skip("WAL is SQLite's")
     with ledger.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
 
