@@ -144,8 +144,15 @@ def focus_rows(
     provider = os.environ.get("KVLEASE_PROVIDER_NAME", "kvlease")
     key, group = None, None
     for record in records:
-        bucket = period(record.ended_at, granularity)
-        this = (record.tenant_id, record.model, bucket)
+        if (
+            key is not None
+            and record.tenant_id == key[0]
+            and record.model == key[1]
+            and key[2][0] <= record.ended_at < key[2][1]
+        ):
+            group.add(record, tiers)  # same group: no need to work out the period again
+            continue
+        this = (record.tenant_id, record.model, period(record.ended_at, granularity))
         if this != key:
             if group is not None:
                 yield _focus_row(group, key, granularity, tiers, account_id, account_name, provider)

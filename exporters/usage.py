@@ -88,6 +88,7 @@ MIGRATIONS: dict[int, Sequence[str]] = {
     ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
+assert [c.name for c in records.columns] == [f.name for f in fields(UsageRecord)]
 
 
 def default_url() -> str:
@@ -150,11 +151,10 @@ class UsageLedger:
         if tenants:
             query = query.where(records.c.tenant_id.in_(list(tenants)))
         query = query.order_by(records.c.tenant_id, records.c.model, records.c.ended_at)
-        names = [f.name for f in fields(UsageRecord)]
         with self.engine.connect().execution_options(stream_results=True) as conn:
             for chunk in conn.execute(query).partitions(batch):
                 for row in chunk:
-                    yield UsageRecord(**{n: row._mapping[n] for n in names})
+                    yield UsageRecord(*row)  # the table's columns are the record's fields
 
     def count(self) -> int:
         with self.engine.connect() as conn:
