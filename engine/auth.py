@@ -22,7 +22,7 @@ import jwt
 
 from engine.tenancy import TenantContext, TierTable
 
-SECRET_ENV = "KVLEASE_JWT_SECRET"
+HS256_KEY_ENV = "KVLEASE_JWT_SECRET"  # the variable's name; the key lives only there
 KEYS_ENV = "KVLEASE_JWT_KEYS"
 ISSUER_ENV = "KVLEASE_JWT_ISSUER"
 AUDIENCE_ENV = "KVLEASE_JWT_AUDIENCE"
@@ -83,7 +83,7 @@ class KeyRing:
     def from_secret(cls, secret: str) -> KeyRing:
         if len(secret.encode()) < MIN_HMAC_SECRET_BYTES:
             raise KeyConfigError(
-                f"{SECRET_ENV} is too short: an HS256 secret needs at least "
+                f"{HS256_KEY_ENV} is too short: an HS256 secret needs at least "
                 f"{MIN_HMAC_SECRET_BYTES} bytes (try: python -c 'import secrets; "
                 "print(secrets.token_urlsafe(48))')"
             )
@@ -141,17 +141,17 @@ class KeyRing:
         Exactly one source must be set; kvlease has no built-in key.
         """
         path = keys_path or os.environ.get(KEYS_ENV)
-        secret = os.environ.get(SECRET_ENV)
+        secret = os.environ.get(HS256_KEY_ENV)
         if path and secret:
             raise KeyConfigError(
-                f"both a key file ({path}) and {SECRET_ENV} are set: choose one key source"
+                f"both a key file ({path}) and {HS256_KEY_ENV} are set: choose one key source"
             )
         if path:
             return cls.from_file(path)
         if secret:
             return cls.from_secret(secret)
         raise KeyConfigError(
-            f"no JWT key configured: set {SECRET_ENV} (HS256 secret, at least "
+            f"no JWT key configured: set {HS256_KEY_ENV} (HS256 secret, at least "
             f"{MIN_HMAC_SECRET_BYTES} bytes) or pass --jwt-keys PATH (a JWKS file)"
         )
 
