@@ -280,17 +280,21 @@ class TenantSchedulingMixin:
         """Aborts arrive here, between steps; report them even if no step follows."""
         finished = super().finish_requests(*args, **kwargs)
         if self._publisher is not None and finished:
-            self._publish(with_state=not self.has_requests())
+            self._publish(with_state=not self.has_requests(), fresh=True)
         return finished
 
-    def _publish(self, with_state: bool) -> None:
-        """Send this step's events (and a snapshot when due) to the API process."""
+    def _publish(self, with_state: bool, fresh: bool = False) -> None:
+        """Send this step's events (and a snapshot when due) to the API process.
+
+        `fresh` samples the accounting for the snapshot; update_from_output has
+        just sampled, an abort between steps has not.
+        """
         events = [event_dict(e) for e in self.events.drain()]
         if not (events or with_state or self._unsent):
             return
         message: dict[str, Any] = {"events": events}
         if with_state:
-            message["state"] = self.state(sample=not self.has_requests())
+            message["state"] = self.state(sample=fresh)
         pending = [*self._unsent, message]
         while pending and self._publisher.send(pending[0]):
             pending.pop(0)
@@ -541,11 +545,9 @@ class TenantSchedulingMixin:
         shares, so a reader can count seconds left itself; `seconds_left` is
         as of `at` (None while a request of the session is in flight).
         """
-        snap = (
-            self.sample_accounting()
-            if sample or self.accounting.last is None
-            else (self.accounting.last)
-        )
+        snap = self.accounting.last
+        if sample or snap is None:
+            snap = self.sample_accounting()
         now = self.clock()
         leases = []
         summary: dict[str, dict[str, float]] = {}
