@@ -1,10 +1,13 @@
 """Per-tenant KV accounting: who holds which blocks, and block-seconds over time.
 
-Occupancy is sampled (every step in debug mode, else every `sample_seconds`)
-and integrated: between samples a tenant is billed for the blocks it held at
-the later sample (right Riemann sum). "Held" means blocks its requests
-reference plus its leased cached blocks: the ones kvlease keeps for it. Plain
-cached blocks are free to evict at any moment and are not billed.
+Occupancy is sampled (every step in debug mode, else every `sample_seconds`,
+and before the first allocation after an idle spell) and integrated: between
+samples a tenant is billed for the blocks it held at the later sample (right
+Riemann sum; a change inside an interval is billed from the interval's start,
+so the error is at most `sample_seconds` per change, never an idle spell).
+"Held" means blocks its requests reference plus its leased cached blocks: the
+ones kvlease keeps for it. Plain cached blocks are free to evict at any moment
+and are not billed.
 
 Cumulative counters (preemptions, evictions, discarded tokens) are kept here,
 exactly, whatever happens to the event buffer.

@@ -35,6 +35,7 @@ from typing import Any
 from engine.auth import Authenticator, AuthError, AuthSettings, KeyConfigError, KeyRing
 from engine.tenancy import TenantContext, TierTable
 from exporters import ledger
+from exporters.requests import JOIN
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -243,11 +244,12 @@ class TenantMiddleware:
         if writer is not None and scope["path"] in GENERATION_PATHS:
             record = writer.expect(request_id)
         hold = False
+        ended = False  # the last body chunk went out
 
         async def send_with_id(message: Message) -> None:
             # vLLM answers 501 for an API the served model does not support; to a
             # client that is a route that is not here: 404, not a server error.
-            nonlocal unsupported, hold
+            nonlocal unsupported, hold, ended
             if message["type"] == "http.response.start":
                 hold = record is not None and message["status"] == 200
                 if message["status"] == 501:
@@ -264,8 +266,10 @@ class TenantMiddleware:
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
             elif unsupported:
                 return
-            elif hold and not message.get("more_body", False):
-                await _until_committed(record, request_id)
+            elif not message.get("more_body", False):
+                if hold:
+                    await _until_committed(record, request_id)
+                ended = True
             await send(message)
 
         self.in_flight[ctx.tenant_id] += 1
@@ -275,6 +279,8 @@ class TenantMiddleware:
         finally:
             if record is not None:
                 writer.forget(request_id)
+            if not ended and JOIN.consumers:
+                JOIN.request_left(request_id, entry)  # its record comes from the engine alone
             IN_FLIGHT.pop(request_id, None)
             self.in_flight[ctx.tenant_id] -= 1
             if not self.in_flight[ctx.tenant_id]:

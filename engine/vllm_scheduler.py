@@ -250,6 +250,10 @@ class TenantSchedulingMixin:
     # -- scheduling ------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
+        if self.clock() - self._last_sample >= self.kvlease.sample_seconds:
+            # Close the interval before this step allocates: after an idle spell the
+            # holdings now are what the idle engine held, not what this step will take.
+            self.sample_accounting()
         self._expire_leases()
         if self.kvlease.victim_rule is VictimRule.LEAST_WORK and self._pool_may_run_short():
             self.running.sort(key=self._keep_key)

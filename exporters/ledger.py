@@ -46,7 +46,7 @@ def to_record(p: FinishedRequest) -> UsageRecord:
         session_id=ctx.session_id if ctx else done.get("session_id"),
         model=(entry.model if entry is not None else None) or "unknown",
         started_at=started,
-        ended_at=started + stats.e2e_latency if stats else now,
+        ended_at=started + stats.e2e_latency if stats else (p.ended_at or now),
         input_tokens=stats.num_prompt_tokens if stats else done.get("prompt_tokens", 0),
         cached_input_tokens=stats.num_cached_tokens if stats else 0,
         output_tokens=stats.num_generation_tokens if stats else done.get("output_tokens", 0),

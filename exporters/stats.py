@@ -25,6 +25,7 @@ class KvleaseStatLogger(StatLoggerBase):
         ledger.install()  # a usage record per finished request, when a ledger is set
         if JOIN.consumers:
             VIEW.add_listener(JOIN.engine_event)
+            JOIN.start()
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if iteration_stats is None:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from clocks import OffsetClock
 from vllm.v1.core.sched.scheduler import Scheduler
 
 POOL_BLOCKS = 24  # 23 usable: vLLM keeps one null block
@@ -76,25 +77,12 @@ def recording(cls: type) -> type:
     return Recording
 
 
-class FakeClock:
-    """The scheduler's clock, real time plus an offset the test moves forward."""
-
-    def __init__(self) -> None:
-        import time
-
-        self._now = time.monotonic
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self._now() + self.offset
-
-
 def settle(engine: Engine) -> None:
     """Expire every lease and empty the prefix cache, so tests do not see each other."""
     scheduler = engine.scheduler
     if hasattr(scheduler, "leases"):
-        if not isinstance(scheduler.clock, FakeClock):
-            scheduler.clock = FakeClock()
+        if not isinstance(scheduler.clock, OffsetClock):
+            scheduler.clock = OffsetClock()
         scheduler.clock.offset += 10_000
         scheduler._expire_leases()
     assert engine.llm.reset_prefix_cache()

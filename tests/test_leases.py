@@ -1,19 +1,12 @@
 import pytest
+from clocks import ManualClock
 
 from engine.leases import LeaseBook
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock():
-    return Clock()
+    return ManualClock()
 
 
 @pytest.fixture

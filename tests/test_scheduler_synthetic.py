@@ -6,7 +6,8 @@ Real vLLM scheduling code, no model: every invariant is checked at every step.
 from __future__ import annotations
 
 import pytest
-from engines import FakeClock, recording
+from clocks import ManualClock, OffsetClock
+from engines import recording
 from synthetic import make_request, make_scheduler, step
 
 from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
@@ -112,7 +113,7 @@ def test_event_overflow_is_counted_and_counters_stay_exact(demo_model):
 
 def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    scheduler.clock = clock = FakeClock()
+    scheduler.clock = clock = OffsetClock()
     scheduler.add_request(make_request("acme", "standard", 100, 8, session="chat"))
     _run(scheduler)
     state = scheduler.state()
@@ -132,14 +133,6 @@ def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
     assert scheduler.state()["tenants"] == {}
 
 
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_block_seconds_are_billed_for_running_and_leased_blocks_only(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
     scheduler.clock = clock = ManualClock()
@@ -154,6 +147,29 @@ def test_block_seconds_are_billed_for_running_and_leased_blocks_only(demo_model)
     after = scheduler.accounting.block_seconds
     assert after["std"] == pytest.approx(held["std"] + 10.0 * 2)  # 2 leased blocks
     assert after["fre"] == pytest.approx(held["fre"])  # free tier: cached, not billed
+
+
+def test_an_idle_gap_is_not_billed_to_the_next_request(demo_model):
+    """Sampling on the clock (no debug mode): the first step after an idle minute must
+    close that minute with what the idle engine held, before it allocates."""
+    scheduler = make_scheduler(TenantAwareScheduler, demo_model, 24)
+    scheduler.clock = clock = ManualClock()
+    scheduler.add_request(make_request("early", "free", 64, 4))
+    steps = _run_on(scheduler, clock)
+    clock.now += 60.0  # nothing runs for a minute
+    scheduler.add_request(make_request("late", "free", 64, 4))
+    steps = _run_on(scheduler, clock)
+    # 64 prompt + 4 output tokens: at most 3 blocks of 32, for `steps` seconds
+    assert 0 < scheduler.accounting.block_seconds["late"] <= 3 * steps
+
+
+def _run_on(scheduler, clock, seconds_per_step: float = 1.0) -> int:
+    steps = 0
+    while scheduler.has_requests():
+        clock.now += seconds_per_step
+        step(scheduler)
+        steps += 1
+    return steps
 
 
 def test_scheduler_loads_by_dotted_path_as_plain_vllm_serve_does(demo_model):

@@ -28,8 +28,14 @@ CHAT = [{"role": "user", "content": "Tell me about the cache."}]
 
 
 @pytest.fixture(scope="module")
-def server(kvlease_home, tmp_path_factory):
-    srv = kvlease_serve(kvlease_home, tmp_path_factory.mktemp("serve") / "server.log")
+def usage_db(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'usage.db'}"
+
+
+@pytest.fixture(scope="module")
+def server(kvlease_home, tmp_path_factory, usage_db):
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    srv = kvlease_serve(kvlease_home, log, "--usage-db", usage_db)
     yield srv
     srv.stop(signal.SIGKILL)
 
@@ -275,7 +281,7 @@ def _wait_idle(server, seconds: float = 120, after: float = 0.0) -> dict:
     raise AssertionError(f"the engine stayed busy: {state}")
 
 
-def test_a_client_disconnecting_mid_stream_frees_its_blocks(server):
+def test_a_client_disconnecting_mid_stream_frees_its_blocks_and_is_billed_once(server, usage_db):
     """A 100-token prompt plus 1,500 tokens (50 blocks) take about 8 s here; the
     client leaves after the first few."""
     _wait_idle(server)  # earlier tests' clients may have left work behind
@@ -303,6 +309,27 @@ def test_a_client_disconnecting_mid_stream_frees_its_blocks(server):
     # What it computed stays as an evictable cached prefix (its full prompt blocks),
     # and it is short: the engine stopped well before 50 blocks once the client had gone.
     assert 0 < leaver["cached"] < 20
+    # vLLM reports no stats for a request its client abandoned; the record comes from
+    # the engine's half alone, a couple of seconds later, with what was computed.
+    records = _records_of(usage_db, "leaver", wait_for=1)
+    [record] = records
+    assert (record.outcome, record.model, record.tier) == ("aborted", MODEL, "free")
+    assert 0 < record.output_tokens < 1500 and record.input_tokens > 0
+    assert record.kv_block_seconds > 0
+    time.sleep(3)  # a second record would have arrived by now
+    assert len(_records_of(usage_db, "leaver")) == 1
+
+
+def _records_of(usage_db: str, tenant: str, wait_for: int = 0, timeout: float = 15) -> list:
+    from exporters.usage import UsageLedger
+
+    ledger = UsageLedger(usage_db)
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(ledger.read(0, 4e9, tenants=[tenant]))
+        if len(records) >= wait_for or time.monotonic() > deadline:
+            return records
+        time.sleep(0.25)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_cleanly(server):
