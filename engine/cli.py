@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from engine.auth import AuthSettings, KeyConfigError, KeyRing, mint_token
-from engine.runtime import VllmVersionError
+from engine.runtime import DependencyError, VllmVersionError
 from engine.tenancy import TierConfigError, TierTable
 
 
@@ -58,6 +58,24 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
     _add_tiers_arg(export)
 
+    dash = sub.add_parser(
+        "dashboard",
+        help="the Streamlit page for SREs and finance",
+        description="Live KV occupancy, leases and evictions from one engine's admin API or "
+        "a Prometheus server, and usage and the FOCUS CSV from the ledger.",
+    )
+    dash.add_argument("--engine", default=None, help="kvlease server URL (http://127.0.0.1:8000)")
+    dash.add_argument("--prometheus", default=None, help="Prometheus URL, for a fleet")
+    dash.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
+    dash.add_argument(
+        "--token",
+        default=None,
+        help="admin JWT for the engine's admin API (better: $KVLEASE_DASHBOARD_TOKEN)",
+    )
+    dash.add_argument("--port", type=int, default=8501)
+    dash.add_argument("--address", default="127.0.0.1")
+    dash.add_argument("--refresh", type=float, default=2.0, help="seconds, at least 2")
+
     demo = sub.add_parser("demo", help="build the demo model and answer one tenant's chat")
     demo.add_argument("--model", default=None, help="local path or hub id (default: demo model)")
     _add_tiers_arg(demo)
@@ -89,23 +107,13 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    from exporters.billing import (
-        FOCUS_COLUMNS,
-        RAW_COLUMNS,
-        csv_chunks,
-        focus_rows,
-        parse_window,
-        raw_rows,
-    )
+    from exporters.billing import export_chunks, parse_window
     from exporters.usage import UsageLedger
 
     tiers = TierTable.load(args.tiers)
     start, end = parse_window(args.start, args.end)
     records = UsageLedger(args.usage_db).read(start, end, args.tenant)
-    if args.format == "focus":
-        chunks = csv_chunks(focus_rows(records, args.granularity, tiers), FOCUS_COLUMNS)
-    else:
-        chunks = csv_chunks(raw_rows(records), RAW_COLUMNS)
+    chunks = export_chunks(records, args.format, args.granularity, tiers)
     out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     try:
         for chunk in chunks:
@@ -128,10 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _token(args)
         if args.command == "usage":
             return _usage_export(args)
+        if args.command == "dashboard":
+            from dashboard.launch import run_dashboard
+
+            return run_dashboard(args)
         from engine.demo import run_demo
 
         return run_demo(model=args.model, tiers_path=args.tiers)
-    except (KeyConfigError, TierConfigError, VllmVersionError, ValueError) as exc:
+    except (KeyConfigError, TierConfigError, VllmVersionError, DependencyError, ValueError) as exc:
         print(f"kvlease {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

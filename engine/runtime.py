@@ -7,7 +7,10 @@ install, not later with an AttributeError deep inside the engine.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
+from collections.abc import Callable, Iterable
 
 VLLM_VERSION = "0.32.0"
 
@@ -42,6 +45,49 @@ def require_vllm() -> None:
     else:
         found = getattr(vllm, "__version__", "unknown")
     check_vllm_version(found)
+
+
+class DependencyError(RuntimeError):
+    """An installed runtime dependency is not the version kvlease pins."""
+
+
+_PIN = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^;\s]+)$")
+
+
+def pin_mismatches(
+    requirements: Iterable[str], installed: Callable[[str], str | None]
+) -> list[str]:
+    """'name: pinned X, found Y' for each unconditional `name==X` pin not met."""
+    out = []
+    for requirement in requirements:
+        match = _PIN.match(requirement.strip())
+        if match is None:  # conditional (an extra) or not an exact pin
+            continue
+        name, pinned = match.groups()
+        found = installed(name)
+        if found is None or found.split("+", 1)[0] != pinned:
+            out.append(f"{name}: pinned {pinned}, found {found or 'nothing'}")
+    return out
+
+
+def check_dependencies() -> None:
+    """Compare the installed runtime dependencies with kvlease's pins (its metadata)."""
+
+    def installed(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    try:
+        requirements = importlib.metadata.requires("kvlease") or []
+    except importlib.metadata.PackageNotFoundError:
+        return  # running from a source tree without an install: nothing to compare
+    if wrong := pin_mismatches(requirements, installed):
+        raise DependencyError(
+            "installed packages differ from kvlease's pins (" + "; ".join(wrong) + "): "
+            "reinstall with pip install 'kvlease[cpu]' (or make venv)"
+        )
 
 
 def prepare_environment() -> None:

@@ -31,7 +31,13 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from engine.runtime import VllmVersionError, prepare_environment, require_vllm
+from engine.runtime import (
+    DependencyError,
+    VllmVersionError,
+    check_dependencies,
+    prepare_environment,
+    require_vllm,
+)
 from engine.server import ConfigError, ServerConfig, error_body
 from engine.tenancy import TIERS_ENV, TierConfigError
 
@@ -137,7 +143,8 @@ def run_serve(argv: Sequence[str]) -> int:
     try:
         ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
         require_vllm()
-    except (ConfigError, TierConfigError, VllmVersionError) as exc:
+        check_dependencies()
+    except (ConfigError, TierConfigError, VllmVersionError, DependencyError) as exc:
         print(f"kvlease serve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -120,6 +120,7 @@ class TenantSchedulingMixin:
         self.events = EventBuffer(self.kvlease.event_capacity)
         self.accounting = TenantAccounting()
         self._label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
+        self._tenant_tiers: dict[str, str] = {}  # tenant label -> the tier it last came with
         self._tenancy: dict[str, Tenancy] = {}
         self._holders: dict[Hashable, Holder] = {}
         self._seq = itertools.count()
@@ -224,6 +225,7 @@ class TenantSchedulingMixin:
             return Tenancy(None, None, None, rank, len(tiers), next(self._seq), None)
         session_id = session_id if isinstance(session_id, str) else None
         tier = tiers[tier_name]
+        self._tenant_tiers[self._label(tenant_id)] = tier.name
         leased = tier.lease_seconds > 0
         tenancy = Tenancy(
             tenant_id,
@@ -589,6 +591,7 @@ class TenantSchedulingMixin:
                 tenant: {"running": b.running, "cached_leased": b.cached_leased, "cached": b.cached}
                 for tenant, b in snap.tenants.items()
             },
+            "tenant_tiers": dict(self._tenant_tiers),
             "leases": leases,
             "leases_total": len(self.leases.sessions()),
             "lease_summary": summary,

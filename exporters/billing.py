@@ -236,6 +236,16 @@ def csv_chunks(rows: Iterable[dict[str, str]], columns: tuple[str, ...]) -> Iter
     yield buffer.getvalue()
 
 
+def export_chunks(
+    records: Iterable[UsageRecord], fmt: str, granularity: str, tiers: TierTable
+) -> Iterator[str]:
+    """The export file, as `kvlease usage export`, `/admin/usage.csv` and the dashboard
+    give it: one function, so the three are byte-identical."""
+    if fmt == "raw":
+        return csv_chunks(raw_rows(records), RAW_COLUMNS)
+    return csv_chunks(focus_rows(records, granularity, tiers), FOCUS_COLUMNS)
+
+
 def parse_window(start: str | None, end: str | None) -> tuple[float, float]:
     """[start, end) as epoch seconds from UTC dates or ISO times; default: this month."""
 

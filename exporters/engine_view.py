@@ -1,8 +1,8 @@
 """The API process's view of the engine: the latest scheduler snapshot, plus listeners.
 
 One per API process (`VIEW`). The channel's receiver thread applies each
-message from the EngineCore; routes read `snapshot()`, and exporters (metrics,
-ledger) register listeners that see every event once.
+message from the EngineCore; routes read `snapshot()` and `history`, and
+exporters (metrics, ledger) register listeners that see every event once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.labels import TenantLabels
 from exporters.channel import ADDRESS_ENV, Receiver
+from exporters.history import History
 
 Listener = Callable[[dict[str, Any]], None]
 
@@ -26,6 +28,7 @@ class EngineView:
         self._listeners: list[Listener] = []
         self.receiver: Receiver | None = None
         self.messages = 0
+        self.history = History(TenantLabels.from_env())
 
     def add_listener(self, listener: Listener) -> None:
         with self._lock:
@@ -37,7 +40,10 @@ class EngineView:
             listeners = list(self._listeners)
             if "state" in message:
                 self._state = message["state"]
+        if "state" in message:
+            self.history.add_state(message["state"])
         for event in message.get("events", ()):
+            self.history.add_event(event)
             for listener in listeners:
                 listener(event)
 

@@ -126,6 +126,13 @@ E2E = Family(
     "End-to-end request latency in the engine, by tier.",
     ("tier",),
 )
+TENANT_INFO = Family(
+    "vllm_tenant_info",
+    "gauge",
+    "1 per tenant label, with the tier its requests last came with; join on tenant_id to "
+    "break per-tenant series down by tier.",
+    ("tenant_id", "tier"),
+)
 EVENTS_DROPPED = Family(
     "vllm_tenant_events_dropped_total",
     "counter",
@@ -146,6 +153,7 @@ FAMILIES = (
     REQUESTS,
     TTFT,
     E2E,
+    TENANT_INFO,
     EVENTS_DROPPED,
 )
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -232,6 +240,8 @@ class TenantMetrics:
             for kind in ("running", "cached_leased", "cached"):
                 fam[KV_BLOCKS.name].add_metric([tenant, kind], held[kind])
             fam[SWAPPED_BLOCKS.name].add_metric([tenant], offloaded.get(tenant, 0))
+        for tenant, tier in sorted(state.get("tenant_tiers", {}).items()):
+            fam[TENANT_INFO.name].add_metric([tenant, tier], 1)
         for tenant, lease in sorted(state["lease_summary"].items()):
             fam[LEASES_ACTIVE.name].add_metric([tenant], lease["active"])
             fam[LEASE_SECONDS_LEFT.name].add_metric([tenant], lease["seconds_left_max"])

@@ -8,9 +8,11 @@ from __future__ import annotations
 import secrets
 
 import pytest
+from records import NOV, rec
 
 from engine.auth import Authenticator, KeyRing
 from engine.tenancy import TierTable
+from exporters.usage import UsageLedger
 
 
 @pytest.fixture(scope="session")
@@ -76,3 +78,24 @@ def postgres_url():
 
     with postgres_cluster() as url:
         yield url
+
+
+@pytest.fixture
+def november_ledger(tmp_path) -> UsageLedger:
+    """Four records in November 2026: acme (premium) x2, bob (free), cy (standard)."""
+    ledger = UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
+    ledger.write(
+        [
+            rec(i, tenant, tier, "kvlease-demo", NOV + 3600 * i, input_tokens=1000 + i)
+            for i, (tenant, tier) in enumerate(
+                [("acme", "premium"), ("acme", "premium"), ("bob", "free"), ("cy", "standard")]
+            )
+        ]
+    )
+    return ledger
+
+
+@pytest.fixture(scope="module")
+def usage_db(tmp_path_factory) -> str:
+    """A SQLite ledger URL for one test module's server."""
+    return f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'usage.db'}"

@@ -124,3 +124,53 @@ def kvlease_serve(home: Path, log: Path, *args: str) -> Server:
     return start(
         [sys.executable, "-m", "engine.cli", "serve", "--num-blocks", "256", *args], home, log
     )
+
+
+@contextlib.contextmanager
+def prometheus(targets: list[str], folder: Path, interval: str = "1s"):
+    """A real Prometheus (Debian's) scraping `targets` (host:port); yields its base URL
+    once it is ready. Stopped on exit."""
+    import shutil
+
+    port = free_port()
+    config = folder / "prometheus.yml"
+    config.write_text(
+        f"global: {{scrape_interval: {interval}, evaluation_interval: {interval}}}\n"
+        "scrape_configs:\n"
+        "  - job_name: kvlease\n"
+        f"    static_configs: [{{targets: {targets!r}}}]\n"
+    )
+    proc = subprocess.Popen(
+        [
+            shutil.which("prometheus") or "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def wait_for_series(url: str, query: str, timeout: float = 60) -> list:
+    """Poll an instant query until it returns at least one series."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+            r = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=5)
+            if result := r.json()["data"]["result"]:
+                return result
+        time.sleep(0.5)
+    raise TimeoutError(f"Prometheus at {url} returned nothing for {query}")

@@ -12,7 +12,7 @@ from exporters.engine_view import EngineView
 from exporters.metrics import FAMILIES, TenantMetrics
 
 
-def _state(tenants=None, **totals):
+def _state(tenants=None, tenant_tiers=None, **totals):
     base = {
         "preemptions": [],
         "preempted_blocks": [],
@@ -27,6 +27,7 @@ def _state(tenants=None, **totals):
         "free_blocks": 40,
         "events_dropped": 2,
         "tenants": tenants or {},
+        "tenant_tiers": tenant_tiers or {},
         "leases": [],
         "lease_summary": {},
         "totals": {**base, **totals},
@@ -70,6 +71,7 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
             "events": [],
             "state": _state(
                 tenants={"acme": {"running": 3, "cached_leased": 2, "cached": 1}},
+                tenant_tiers={"acme": "premium"},
                 preemptions=[["acme", "premium", "kv_pressure", "recompute", 2]],
                 preempted_blocks=[["acme", "premium", "kv_pressure", 7]],
                 evicted_blocks=[["acme", "premium", True, 4]],
@@ -92,6 +94,7 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
         raise KeyError(labels)
 
     assert value("vllm_tenant_kv_blocks", tenant_id="acme", state="running") == 3
+    assert value("vllm_tenant_info", tenant_id="acme", tier="premium") == 1
     assert (
         value(
             "vllm_tenant_preemptions",

@@ -1,6 +1,12 @@
 import pytest
 
-from engine.runtime import VllmVersionError, check_vllm_version, require_vllm
+from engine.runtime import (
+    VllmVersionError,
+    check_dependencies,
+    check_vllm_version,
+    pin_mismatches,
+    require_vllm,
+)
 
 
 @pytest.mark.parametrize("found", ["0.32.0", "0.32.0+cpu"])
@@ -21,3 +27,25 @@ def test_missing_vllm_says_what_to_install():
 
 def test_the_installed_vllm_is_the_pinned_one():
     require_vllm()
+
+
+def test_pins_that_differ_from_the_installed_packages_are_listed():
+    installed = {"streamlit": "1.66.0", "pyjwt": "2.15.1", "torch": "2.13.0+cpu"}.get
+    wrong = pin_mismatches(
+        [
+            "pyjwt[crypto]==2.15.1",
+            "streamlit==1.67.0",
+            "torch==2.13.0",
+            "plotly==7.1.0",
+            'pytest==9.2.0; extra == "dev"',  # only with the extra: not checked
+        ],
+        installed,
+    )
+    assert wrong == [
+        "streamlit: pinned 1.67.0, found 1.66.0",
+        "plotly: pinned 7.1.0, found nothing",
+    ]
+
+
+def test_the_installed_runtime_dependencies_match_the_pins():
+    check_dependencies()  # raises DependencyError with the list otherwise

@@ -28,11 +28,6 @@ CHAT = [{"role": "user", "content": "Tell me about the cache."}]
 
 
 @pytest.fixture(scope="module")
-def usage_db(tmp_path_factory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'usage.db'}"
-
-
-@pytest.fixture(scope="module")
 def server(kvlease_home, tmp_path_factory, usage_db):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     srv = kvlease_serve(kvlease_home, log, "--usage-db", usage_db)

@@ -5,7 +5,6 @@ protobuf."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from servers import free_port, start
+from servers import prometheus, start, wait_for_series
 
 from exporters.metrics import FAMILIES
 
@@ -63,11 +62,6 @@ def otlp():
     receiver = OtlpReceiver()
     yield receiver
     receiver.server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def usage_db(tmp_path_factory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'usage.db'}"
 
 
 @pytest.fixture(scope="module")
@@ -169,49 +163,15 @@ def test_preemptions_carry_the_real_tenant_and_tier(loaded):
 
 
 def test_a_real_prometheus_scrapes_and_stores_every_kvlease_metric(loaded, tmp_path):
-    prom_port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s}\n"
-        "scrape_configs:\n"
-        "  - job_name: kvlease\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{loaded.port}']}}]\n"
-    )
-    prom = subprocess.Popen(
-        [
-            shutil.which("prometheus"),
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    api = f"http://127.0.0.1:{prom_port}/api/v1/query"
-    try:
-
-        def stored(name: str) -> int:
-            r = httpx.get(api, params={"query": f"count({name})"}, timeout=5)
-            result = r.json()["data"]["result"]
-            return int(float(result[0]["value"][1])) if result else 0
-
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if stored("vllm_tenant_kv_pool_blocks"):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with prometheus([f"127.0.0.1:{loaded.port}"], tmp_path) as prom:
+        wait_for_series(prom, "vllm_tenant_kv_pool_blocks")
         missing = []
         for family in FAMILIES:
             name = f"{family.name}_count" if family.kind == "histogram" else family.name
-            if not stored(name):
+            r = httpx.get(f"{prom}/api/v1/query", params={"query": name}, timeout=5)
+            if not r.json()["data"]["result"]:
                 missing.append(name)
         assert missing == []
-    finally:
-        prom.terminate()
-        prom.wait(10)
 
 
 def _attributes(span) -> dict:

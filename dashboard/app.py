@@ -1,0 +1,165 @@
+"""kvlease's Streamlit page: layout only. Data comes from dashboard.data, figures from
+dashboard.charts. Started by `kvlease dashboard`, which passes its settings in the
+environment (see data.Config)."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+
+import streamlit as st
+
+from dashboard import charts, data
+from engine.tenancy import TierTable
+from exporters.billing import GRANULARITIES, parse_window
+
+DEFAULT_ENGINE = "http://127.0.0.1:8000"
+PAGES = {"live": "Live", "usage": "Usage & billing"}
+
+st.set_page_config(page_title="kvlease", layout="wide")
+CONFIG = data.Config.from_env()
+
+
+@st.cache_data(ttl=1.0, show_spinner=False, max_entries=8)
+def load_live(source: str, url: str, token: str | None, minutes: int) -> data.Live:
+    if source == "prometheus":
+        return data.PrometheusSource(url).live(minutes)
+    return data.EngineSource(url, token).live(minutes)
+
+
+@st.cache_resource
+def tier_table() -> TierTable:
+    return TierTable.load()
+
+
+@st.cache_data(ttl=10, show_spinner=False, max_entries=16)
+def load_usage(url: str, start: float, end: float, granularity: str) -> tuple[list[dict], bytes]:
+    tiers = tier_table()
+    rows = data.load_usage(url, start, end, granularity, tiers)
+    return rows, data.usage_csv(url, start, end, granularity, tiers)
+
+
+def live_page() -> None:
+    with st.sidebar:
+        sources = {"engine": "Engine admin API", "prometheus": "Prometheus (fleet)"}
+        offered = [s for s in sources if getattr(CONFIG, s)] or ["engine"]
+        source = st.radio("Source", offered, format_func=sources.get, key="source")
+        if source == "prometheus":
+            url, token = CONFIG.prometheus, None
+        else:
+            url = CONFIG.engine or DEFAULT_ENGINE
+            token = st.text_input("Admin token (JWT)", value=CONFIG.token or "", type="password")
+        minutes = st.slider("Window (minutes)", 1, 10, 5, key="minutes")
+        top = st.number_input("Top tenants", 1, 500, 10, key="top")
+        search = st.text_input("Search tenants", key="live_search")
+    st.caption(f"{sources[source]}: {url}")
+    live_panel(source, url, token or None, minutes, int(top), search)
+
+
+@st.fragment(run_every=CONFIG.refresh_seconds)
+def live_panel(source: str, url: str, token: str | None, minutes: int, top: int, search: str):
+    try:
+        live = load_live(source, url, token, minutes)
+    except data.SourceError as err:
+        st.error(str(err))
+        return
+    st.caption(f"Updated {datetime.now(UTC):%H:%M:%S} UTC, every {CONFIG.refresh_seconds:g} s")
+    if live.empty:
+        st.info("No tenant holds KV blocks yet: the engine has not served a tenant request.")
+    waiting = "—" if live.waiting is None else live.waiting
+    running = "—" if live.running is None else live.running
+    c1, c2, c3, c4 = st.columns(4)
+    c1.metric("Pool in use", f"{live.utilisation:.0%}")
+    c2.metric("Free blocks", f"{live.free_blocks} / {live.pool_blocks}")
+    c3.metric("Running requests", running)
+    c4.metric("Waiting requests", waiting)
+
+    left, right = st.columns([1, 3])
+    left.plotly_chart(charts.pool_gauge(live.utilisation, live.pool_blocks), key="pool")
+    shown = data.pick_tenants(live.tenants, search, top)
+    right.markdown(f"**Tenants** ({len(shown)} of {len(live.tenants)})")
+    right.dataframe(
+        shown,
+        hide_index=True,
+        column_config={
+            "tenant_id": "tenant",
+            "cached_leased": "cached, leased",
+            "held": st.column_config.NumberColumn("held", help="running + leased cached blocks"),
+            "lease_seconds_left": st.column_config.NumberColumn("lease s left", format="%.0f"),
+            "preemptions_5m": "preemptions (5 min)",
+            "evictions_5m": "evicted blocks (5 min)",
+        },
+    )
+    keep = data.top_tenant_ids(live.occupancy, top)
+    st.plotly_chart(charts.occupancy_area(data.top_occupancy(live.occupancy, keep)), key="blocks")
+    st.plotly_chart(charts.events_timeline(live.events), key="events")
+
+
+def usage_page() -> None:
+    if not CONFIG.usage_db:
+        st.info("No usage ledger configured: start the dashboard with --usage-db URL.")
+        return
+    today = datetime.now(UTC).date()
+    first = today.replace(day=1)
+    c1, c2, c3 = st.columns(3)
+    start = c1.date_input("From (UTC)", first, key="from")
+    end = c2.date_input("To (UTC, exclusive)", _next_month(first), key="to")
+    granularity = c3.selectbox("Granularity", GRANULARITIES, index=1, key="granularity")
+    search = st.text_input("Search tenants", key="usage_search")
+    try:
+        lo, hi = parse_window(str(start), str(end))
+        rows, csv = load_usage(CONFIG.usage_db, lo, hi, granularity)
+    except (ValueError, data.SourceError) as err:
+        st.error(str(err))
+        return
+    tiers = tier_table()
+    table = data.usage_by_tenant(rows)
+    if search:
+        table = table[table["tenant_id"].str.contains(search, case=False, regex=False)]
+    c1, c2, c3 = st.columns(3)
+    c1.metric("Cost", f"{sum(table['cost']):.4f} {tiers.currency}")
+    c2.metric("Requests", int(table["requests"].sum()))
+    c3.metric("Tenants", len(table))
+    st.download_button(
+        "Download FOCUS CSV",
+        csv,
+        file_name=f"kvlease-usage-{start}-{end}-{granularity}.csv",
+        mime="text/csv",
+        help="The file `kvlease usage export` writes for this period and granularity.",
+    )
+    st.dataframe(
+        table.assign(cost=[f"{c:.6f}" for c in table["cost"]]).astype({"block_hours": float}),
+        hide_index=True,
+        column_config={
+            "tenant_id": "tenant",
+            "input_tokens": "input tokens",
+            "cached_input_tokens": "cached input",
+            "output_tokens": "output tokens",
+            "recomputed_tokens": st.column_config.NumberColumn(
+                "recomputed", help="computed again after a preemption; never billed"
+            ),
+            "block_hours": st.column_config.NumberColumn("KV block-hours", format="%.4f"),
+            "cost": f"cost ({tiers.currency})",
+        },
+    )
+    st.plotly_chart(charts.cost_bars(table, tiers.currency))
+
+
+def _next_month(first: date) -> date:
+    return (first + timedelta(days=32)).replace(day=1)
+
+
+with st.sidebar:
+    st.title("kvlease")
+    wanted = st.query_params.get("page", "live")
+    page = st.radio(
+        "Page",
+        list(PAGES),
+        index=list(PAGES).index(wanted) if wanted in PAGES else 0,
+        format_func=PAGES.get,
+        key="page",
+    )
+st.header(PAGES[page])
+if page == "live":
+    live_page()
+else:
+    usage_page()

@@ -1,0 +1,441 @@
+"""Where the dashboard's numbers come from, shaped into plain DataFrames.
+
+Two live sources give the same `Live` picture: one engine's admin API
+(`/admin/state` + `/admin/history`: a single node, exact, the last ten
+minutes kept by the server) or a Prometheus server (a fleet of replicas,
+summed by tenant). Usage comes from the ledger, through the same export
+function as `kvlease usage export`, so the page's CSV is the CLI's file.
+
+Fetching (`EngineSource`, `PrometheusSource`, `load_usage`) is separate from
+shaping (`live_from_engine`, `live_from_prometheus`, `usage_by_tenant`), which
+are pure and unit-tested. Every failure to reach a source is a `SourceError`
+with a sentence for the banner, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import httpx
+import pandas as pd
+
+STATES = ("running", "cached_leased", "cached")
+OTHER = "other"
+RECENT_SECONDS = 300  # "in the last 5 minutes" in the tenant table
+ENGINE_ENV = "KVLEASE_DASHBOARD_ENGINE"
+PROMETHEUS_ENV = "KVLEASE_DASHBOARD_PROMETHEUS"
+TOKEN_ENV = "KVLEASE_DASHBOARD_TOKEN"
+REFRESH_ENV = "KVLEASE_DASHBOARD_REFRESH_SECONDS"
+
+OCCUPANCY_COLUMNS = ["t", "tenant_id", "state", "blocks"]
+TENANT_COLUMNS = [
+    "tenant_id",
+    "tier",
+    "running",
+    "cached_leased",
+    "cached",
+    "held",
+    "leases",
+    "lease_seconds_left",
+    "preemptions_5m",
+    "evictions_5m",
+]
+EVENT_COLUMNS = ["t", "kind", "tier", "reason", "n"]
+
+
+class SourceError(Exception):
+    """A source could not be read; the message is shown as the page's banner."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """What `kvlease dashboard` passes to the Streamlit process (environment, not argv,
+    so a token never shows in a process list)."""
+
+    engine: str | None
+    prometheus: str | None
+    usage_db: str | None
+    token: str | None
+    refresh_seconds: float = 2.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Config:
+        env = dict(os.environ if env is None else env)
+        return cls(
+            engine=env.get(ENGINE_ENV) or None,
+            prometheus=env.get(PROMETHEUS_ENV) or None,
+            usage_db=env.get("KVLEASE_USAGE_DB") or None,
+            token=env.get(TOKEN_ENV) or None,
+            refresh_seconds=max(2.0, float(env.get(REFRESH_ENV) or 2.0)),
+        )
+
+
+@dataclass(frozen=True)
+class Live:
+    """One refresh of the live page. `occupancy` has OCCUPANCY_COLUMNS (t as UTC
+    datetimes), `tenants` TENANT_COLUMNS, `events` EVENT_COLUMNS (n: preempted
+    requests, or evicted blocks)."""
+
+    pool_blocks: int
+    free_blocks: int
+    running: int | None
+    waiting: int | None
+    occupancy: pd.DataFrame
+    tenants: pd.DataFrame
+    events: pd.DataFrame
+
+    @property
+    def utilisation(self) -> float:
+        """Share of the pool not free (free counts evictable cached blocks)."""
+        if not self.pool_blocks:
+            return 0.0
+        return (self.pool_blocks - self.free_blocks) / self.pool_blocks
+
+    @property
+    def empty(self) -> bool:
+        return self.tenants.empty and self.occupancy.empty
+
+
+# -- the engine's admin API ---------------------------------------------------------------
+
+
+class EngineSource:
+    """One kvlease server's admin API; needs a token with the `admin` role."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def live(self, minutes: float) -> Live:
+        state = self._get("/admin/state")
+        history = self._get(f"/admin/history?seconds={int(minutes * 60)}")
+        return live_from_engine(state, history, time.time())
+
+    def _get(self, path: str) -> dict[str, Any]:
+        if not self.token:
+            raise SourceError("The engine's admin API needs a token with the admin role.")
+        try:
+            r = httpx.get(
+                self.url + path,
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=self.timeout,
+            )
+        except httpx.HTTPError as exc:
+            raise SourceError(f"The engine at {self.url} is not reachable ({exc}).") from None
+        if r.status_code == 200:
+            return r.json()
+        raise SourceError(f"The engine at {self.url} answered {r.status_code}: {_message(r)}")
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:200] or r.reason_phrase
+
+
+def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float) -> Live:
+    occupancy = [
+        (sample["t"], tenant, s, blocks[i])
+        for sample in history.get("samples", [])
+        for tenant, blocks in sample["tenants"].items()
+        for i, s in enumerate(STATES)
+    ]
+    events = [
+        (e["t"], e["kind"], e["tier"] or "unclassified", e["reason"], _event_n(e))
+        for e in history.get("events", [])
+    ]
+    preempted: Counter[str] = Counter()
+    evicted: Counter[str] = Counter()
+    for e in history.get("events", []):
+        if e["t"] >= now - RECENT_SECONDS:
+            if e["kind"] == "preemption":
+                preempted[e["tenant_id"]] += 1
+            else:
+                evicted[e["tenant_id"]] += e["blocks"]
+    tiers = state.get("tenant_tiers", {})
+    leases = state.get("lease_summary", {})
+    names = sorted(set(state["tenants"]) | set(leases) | set(preempted) | set(evicted))
+    rows = []
+    for tenant in names:
+        held = state["tenants"].get(tenant, {})
+        lease = leases.get(tenant, {})
+        rows.append(
+            _tenant_row(
+                tenant,
+                tiers.get(tenant),
+                [held.get(s, 0) for s in STATES],
+                lease.get("active", 0),
+                lease.get("seconds_left_max"),
+                preempted.get(tenant, 0),
+                evicted.get(tenant, 0),
+            )
+        )
+    return Live(
+        pool_blocks=state["pool_blocks"],
+        free_blocks=state["free_blocks"],
+        running=state.get("running"),
+        waiting=state.get("waiting"),
+        occupancy=_frame(occupancy, OCCUPANCY_COLUMNS),
+        tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
+        events=_frame(events, EVENT_COLUMNS),
+    )
+
+
+def _event_n(event: dict[str, Any]) -> int:
+    return 1 if event["kind"] == "preemption" else event["blocks"]
+
+
+def _tenant_row(tenant, tier, blocks, leases, seconds_left, preemptions, evictions) -> dict:
+    running, leased, cached = (int(b) for b in blocks)
+    return {
+        "tenant_id": tenant,
+        "tier": tier or "",
+        "running": running,
+        "cached_leased": leased,
+        "cached": cached,
+        "held": running + leased,
+        "leases": int(leases),
+        "lease_seconds_left": round(seconds_left, 1) if leases and seconds_left else None,
+        "preemptions_5m": round(preemptions),
+        "evictions_5m": round(evictions),
+    }
+
+
+def _frame(rows: list[tuple], columns: list[str]) -> pd.DataFrame:
+    frame = pd.DataFrame(rows, columns=columns)
+    frame["t"] = pd.to_datetime(frame["t"], unit="s", utc=True)
+    return frame
+
+
+# -- Prometheus -----------------------------------------------------------------------------
+
+# Every query the live page runs against Prometheus, summed over replicas.
+QUERIES = {
+    "pool": "sum(vllm_tenant_kv_pool_blocks)",
+    "free": "sum(vllm_tenant_kv_free_blocks)",
+    "running": "sum(vllm:num_requests_running)",
+    "waiting": "sum(vllm:num_requests_waiting)",
+    "blocks": "sum by (tenant_id, state) (vllm_tenant_kv_blocks)",
+    "tiers": "max by (tenant_id, tier) (vllm_tenant_info)",
+    "leases": "sum by (tenant_id) (vllm_tenant_lease_active)",
+    "lease_left": "max by (tenant_id) (vllm_tenant_lease_seconds_left)",
+    "preemptions_5m": "sum by (tenant_id) (increase(vllm_tenant_preemptions_total[5m]))",
+    "evictions_5m": "sum by (tenant_id) (increase(vllm_tenant_cached_block_evictions_total[5m]))",
+}
+RANGE_QUERIES = {
+    "occupancy": "sum by (tenant_id, state) (vllm_tenant_kv_blocks)",
+    "preemptions": "sum by (tier, reason) (increase(vllm_tenant_preemptions_total[{step}s]))",
+    "evictions": "sum by (tier, leased) "
+    "(increase(vllm_tenant_cached_block_evictions_total[{step}s]))",
+}
+
+
+class PrometheusSource:
+    """A Prometheus server scraping one or more kvlease servers."""
+
+    def __init__(self, url: str, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def live(self, minutes: float) -> Live:
+        now = time.time()
+        step = max(5, int(minutes * 60 / 120))  # about 120 points per series
+        start = now - minutes * 60
+        instant = {n: self._api("query", {"query": q, "time": now}) for n, q in QUERIES.items()}
+        window = {"start": start, "end": now, "step": step}
+        ranged = {
+            n: self._api("query_range", {"query": q.format(step=step), **window})
+            for n, q in RANGE_QUERIES.items()
+        }
+        return live_from_prometheus(instant, ranged)
+
+    def _api(self, endpoint: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        try:
+            r = httpx.get(f"{self.url}/api/v1/{endpoint}", params=params, timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            raise SourceError(f"Prometheus at {self.url} is not reachable ({exc}).") from None
+        try:
+            body = r.json()
+        except ValueError:
+            body = {}
+        if r.status_code != 200 or body.get("status") != "success":
+            error = body.get("error") or r.text[:200]
+            raise SourceError(f"Prometheus at {self.url} answered {r.status_code}: {error}")
+        return body["data"]["result"]
+
+
+def live_from_prometheus(
+    instant: dict[str, list[dict[str, Any]]], ranged: dict[str, list[dict[str, Any]]]
+) -> Live:
+    def scalar(name: str) -> float | None:
+        result = instant.get(name) or []
+        return float(result[0]["value"][1]) if result else None
+
+    def by_tenant(name: str) -> dict[str, float]:
+        return {
+            r["metric"].get("tenant_id", ""): float(r["value"][1]) for r in instant.get(name, [])
+        }
+
+    held: dict[str, dict[str, float]] = {}
+    for r in instant.get("blocks", []):
+        held.setdefault(r["metric"]["tenant_id"], {})[r["metric"]["state"]] = float(r["value"][1])
+    tiers = {r["metric"]["tenant_id"]: r["metric"]["tier"] for r in instant.get("tiers", [])}
+    leases, left = by_tenant("leases"), by_tenant("lease_left")
+    preempted, evicted = by_tenant("preemptions_5m"), by_tenant("evictions_5m")
+    names = sorted(
+        set(held) | {t for t, n in leases.items() if n} | {t for t, n in preempted.items() if n}
+    )
+    rows = [
+        _tenant_row(
+            t,
+            tiers.get(t),
+            [held.get(t, {}).get(s, 0) for s in STATES],
+            leases.get(t, 0),
+            left.get(t),
+            preempted.get(t, 0),
+            evicted.get(t, 0),
+        )
+        for t in names
+    ]
+    occupancy = [
+        (float(ts), series["metric"]["tenant_id"], series["metric"]["state"], float(v))
+        for series in ranged.get("occupancy", [])
+        for ts, v in series["values"]
+    ]
+    events = [
+        (float(ts), "preemption", s["metric"].get("tier", ""), s["metric"].get("reason", ""), v)
+        for s in ranged.get("preemptions", [])
+        for ts, v in s["values"]
+    ] + [
+        (
+            float(ts),
+            "eviction",
+            s["metric"].get("tier", ""),
+            "leased_cache_eviction" if s["metric"].get("leased") == "true" else "cache_eviction",
+            v,
+        )
+        for s in ranged.get("evictions", [])
+        for ts, v in s["values"]
+    ]
+    events = [(t, k, tier, reason, float(v)) for t, k, tier, reason, v in events if float(v) > 0]
+    pool, free = scalar("pool"), scalar("free")
+    running, waiting = scalar("running"), scalar("waiting")
+    return Live(
+        pool_blocks=int(pool or 0),
+        free_blocks=int(free or 0),
+        running=None if running is None else int(running),
+        waiting=None if waiting is None else int(waiting),
+        occupancy=_frame(occupancy, OCCUPANCY_COLUMNS),
+        tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
+        events=_frame(events, EVENT_COLUMNS),
+    )
+
+
+# -- shaping for the page ---------------------------------------------------------------------
+
+
+def pick_tenants(tenants: pd.DataFrame, search: str = "", top: int = 20) -> pd.DataFrame:
+    """The tenant table for display: matching `search` (substring, any case), then the
+    `top` by blocks held (running + leased), then by cached blocks."""
+    frame = tenants
+    if search:
+        frame = frame[frame["tenant_id"].str.contains(search, case=False, regex=False)]
+    ordered = frame.assign(_total=frame["held"] + frame["cached"]).sort_values(
+        ["held", "_total", "tenant_id"], ascending=[False, False, True]
+    )
+    return ordered.drop(columns="_total").head(top).reset_index(drop=True)
+
+
+def top_occupancy(occupancy: pd.DataFrame, keep: Iterable[str]) -> pd.DataFrame:
+    """Occupancy with every tenant outside `keep` summed into one `other` series."""
+    keep = set(keep)
+    frame = occupancy.assign(
+        tenant_id=occupancy["tenant_id"].where(occupancy["tenant_id"].isin(keep), OTHER)
+    )
+    return frame.groupby(["t", "tenant_id", "state"], as_index=False)["blocks"].sum()
+
+
+def top_tenant_ids(occupancy: pd.DataFrame, top: int) -> list[str]:
+    """The `top` tenants by blocks over the window (area under their curve)."""
+    if occupancy.empty:
+        return []
+    totals = occupancy.groupby("tenant_id")["blocks"].sum().sort_values(ascending=False)
+    return list(totals.index[:top])
+
+
+# -- usage (the ledger) ---------------------------------------------------------------------
+
+USAGE_COLUMNS = [
+    "tenant_id",
+    "tier",
+    "requests",
+    "input_tokens",
+    "cached_input_tokens",
+    "output_tokens",
+    "recomputed_tokens",
+    "block_hours",
+    "preemptions",
+    "cost",
+]
+
+
+def load_usage(url: str, start: float, end: float, granularity: str, tiers) -> list[dict]:
+    """FOCUS rows for the window, exactly as the export computes them."""
+    from exporters.billing import focus_rows
+    from exporters.usage import UsageLedger
+
+    try:
+        return list(focus_rows(UsageLedger(url).read(start, end), granularity, tiers))
+    except Exception as exc:  # SQLAlchemy's errors vary by driver; the banner needs one line
+        raise SourceError(f"The usage ledger is not readable ({_one_line(exc)}).") from None
+
+
+def usage_csv(url: str, start: float, end: float, granularity: str, tiers) -> bytes:
+    """The FOCUS CSV of `kvlease usage export` for the same window, byte for byte."""
+    from exporters.billing import export_chunks
+    from exporters.usage import UsageLedger
+
+    try:
+        records = UsageLedger(url).read(start, end)
+        return "".join(export_chunks(records, "focus", granularity, tiers)).encode()
+    except Exception as exc:
+        raise SourceError(f"The usage ledger is not readable ({_one_line(exc)}).") from None
+
+
+def usage_by_tenant(rows: Iterable[dict[str, str]]) -> pd.DataFrame:
+    """FOCUS rows -> one row per tenant, with exact decimal cost (shown to the cent+)."""
+    totals: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        t = totals.setdefault(row["SubAccountId"], _empty_usage())
+        t["tier"].update(row["x_Tier"].split(","))
+        t["requests"] += int(row["x_Requests"])
+        t["input_tokens"] += int(row["x_InputTokens"])
+        t["cached_input_tokens"] += int(row["x_CachedInputTokens"])
+        t["output_tokens"] += int(row["x_OutputTokens"])
+        t["recomputed_tokens"] += int(row["x_RecomputedTokens"])
+        t["block_hours"] += Decimal(row["x_BlockHours"])
+        t["preemptions"] += int(row["x_Preemptions"])
+        t["cost"] += Decimal(row["BilledCost"])
+    out = [
+        {**t, "tenant_id": tenant, "tier": ",".join(sorted(t["tier"]))}
+        for tenant, t in totals.items()
+    ]
+    frame = pd.DataFrame(out, columns=USAGE_COLUMNS)
+    return frame.sort_values(["cost", "tenant_id"], ascending=[False, True]).reset_index(drop=True)
+
+
+def _empty_usage() -> dict[str, Any]:
+    counts = {c: 0 for c in USAGE_COLUMNS if c not in ("tenant_id", "tier", "block_hours", "cost")}
+    return {"tier": set(), "block_hours": Decimal(0), "cost": Decimal(0), **counts}
+
+
+def _one_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__

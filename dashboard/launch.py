@@ -1,0 +1,72 @@
+"""`kvlease dashboard`: runs `streamlit run dashboard/app.py` with its settings in the
+environment (data.Config), so a token never shows in a process list."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from dashboard import data
+from engine.runtime import check_dependencies
+
+APP = Path(__file__).with_name("app.py")
+
+
+def command(port: int, address: str = "127.0.0.1") -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.port",
+        str(port),
+        "--server.address",
+        address,
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--global.developmentMode",
+        "false",
+        "--client.toolbarMode",
+        "viewer",
+    ]
+
+
+def environment(
+    engine: str | None,
+    prometheus: str | None,
+    usage_db: str | None,
+    token: str | None,
+    refresh_seconds: float = 2.0,
+) -> dict[str, str]:
+    from exporters.usage import default_url
+
+    env = dict(os.environ)
+    env[data.ENGINE_ENV] = engine or ""
+    env[data.PROMETHEUS_ENV] = prometheus or ""
+    env["KVLEASE_USAGE_DB"] = usage_db or default_url()
+    env[data.REFRESH_ENV] = str(refresh_seconds)
+    if token:
+        env[data.TOKEN_ENV] = token
+    return env
+
+
+def run_dashboard(args) -> int:
+    check_dependencies()
+    if args.refresh < 2:
+        raise ValueError("--refresh must be at least 2 seconds")
+    env = environment(args.engine, args.prometheus, args.usage_db, args.token or None, args.refresh)
+    if not (env[data.ENGINE_ENV] or env[data.PROMETHEUS_ENV]):
+        env[data.ENGINE_ENV] = "http://127.0.0.1:8000"
+    print(f"kvlease dashboard: http://{args.address}:{args.port}", flush=True)
+    proc = subprocess.Popen(command(args.port, args.address), env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()

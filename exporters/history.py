@@ -1,0 +1,89 @@
+"""The engine's last minutes, kept in the API process for dashboards (`/admin/history`).
+
+A dashboard opened during an incident must show what led up to it, not only
+what happens from then on. So the API process keeps, from the snapshots and
+events the engine channel already brings:
+- occupancy samples: pool size, free blocks and per-tenant blocks by state,
+  at most one per `every` seconds, for `window` seconds;
+- preemption and cached-block eviction events, for `window` seconds, at most
+  `max_events` (the oldest go first).
+
+Times are wall clock (the engine stamps events on the machine's monotonic clock,
+which every process shares; they are converted on arrival).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+Label = Callable[[str | None], str]
+
+
+class History:
+    """Bounded: at most window/every samples (each O(tenants holding blocks)) and
+    `max_events` events. Adding is O(tenants) per kept sample, O(1) per event."""
+
+    def __init__(
+        self,
+        label: Label,
+        window: float = 600.0,
+        every: float = 1.0,
+        max_events: int = 20_000,
+    ) -> None:
+        self.label = label
+        self.window = window
+        self.every = every
+        self._samples: deque[dict[str, Any]] = deque(maxlen=max(1, int(window / every)))
+        self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
+        self._lock = threading.Lock()
+
+    def add_state(self, state: dict[str, Any], wall: float | None = None) -> None:
+        wall = time.time() if wall is None else wall
+        with self._lock:
+            if self._samples and wall - self._samples[-1]["t"] < self.every:
+                return
+            self._samples.append(
+                {
+                    "t": wall,
+                    "pool_blocks": state["pool_blocks"],
+                    "free_blocks": state["free_blocks"],
+                    "tenants": {
+                        tenant: [b["running"], b["cached_leased"], b["cached"]]
+                        for tenant, b in state["tenants"].items()
+                        if b["running"] or b["cached_leased"] or b["cached"]
+                    },
+                }
+            )
+
+    def add_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("type")
+        if kind == "Preemption":
+            reason = event["reason"]
+        elif kind == "Eviction":
+            reason = "leased_cache_eviction" if event["leased"] else "cache_eviction"
+        else:
+            return
+        wall = time.time() - max(0.0, time.monotonic() - event["at"])
+        with self._lock:
+            self._events.append(
+                {
+                    "t": wall,
+                    "kind": kind.lower(),
+                    "tenant_id": self.label(event["tenant_id"]),
+                    "tier": event["tier"],
+                    "reason": reason,
+                    "blocks": event["blocks"],
+                }
+            )
+
+    def since(self, seconds: float, now: float | None = None) -> dict[str, list[dict[str, Any]]]:
+        """Samples and events of the last `seconds` (at most the window), oldest first."""
+        cutoff = (time.time() if now is None else now) - min(seconds, self.window)
+        with self._lock:
+            samples = [s for s in self._samples if s["t"] >= cutoff]
+            events = [e for e in self._events if e["t"] >= cutoff]
+        return {"samples": samples, "events": events}

@@ -1,0 +1,27 @@
+"""Usage records for ledger and billing tests."""
+
+from __future__ import annotations
+
+from exporters.usage import UsageRecord
+
+NOV = 1793491200.0  # 2026-11-01T00:00:00Z
+
+
+def rec(i: int, tenant="acme", tier="premium", model="m", at=NOV + 3600, **kw) -> UsageRecord:
+    base = dict(
+        request_id=f"kvl-{i:032x}",
+        tenant_id=tenant,
+        tier=tier,
+        session_id=None,
+        model=model,
+        started_at=at - 2,
+        ended_at=at,
+        input_tokens=1000,
+        cached_input_tokens=400,
+        output_tokens=500,
+        recomputed_tokens=70,
+        preemptions=1,
+        kv_block_seconds=36.0,
+        outcome="completed",
+    )
+    return UsageRecord(**{**base, **kw})

@@ -1,0 +1,93 @@
+"""The Streamlit page through `streamlit.testing.v1.AppTest`: sources down, no ledger,
+a real SQLite ledger. The live page against a real server is in test_dashboard_browser."""
+
+from __future__ import annotations
+
+import pytest
+from servers import free_port
+from streamlit.testing.v1 import AppTest
+
+from dashboard import data
+from dashboard.launch import APP
+
+ENVS = (data.ENGINE_ENV, data.PROMETHEUS_ENV, data.TOKEN_ENV, "KVLEASE_USAGE_DB")
+
+
+@pytest.fixture
+def page(monkeypatch):
+    for name in ENVS:
+        monkeypatch.delenv(name, raising=False)
+
+    def run(page: str = "live", **env: str) -> AppTest:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        app = AppTest.from_file(str(APP), default_timeout=30)
+        app.query_params["page"] = page
+        return app.run()
+
+    return run
+
+
+def _dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def test_live_page_says_so_when_the_engine_is_down(page):
+    app = page(**{data.ENGINE_ENV: _dead_url(), data.TOKEN_ENV: "a.b.c"})
+    assert not app.exception
+    assert "is not reachable" in app.error[0].value
+
+
+def test_live_page_asks_for_a_token_before_calling_the_engine(page):
+    app = page(**{data.ENGINE_ENV: _dead_url()})
+    assert not app.exception
+    assert "needs a token with the admin role" in app.error[0].value
+
+
+def test_live_page_says_so_when_prometheus_is_down(page):
+    app = page(**{data.PROMETHEUS_ENV: _dead_url()})
+    assert not app.exception
+    assert app.sidebar.radio(key="source").value == "prometheus"
+    assert "Prometheus at" in app.error[0].value
+
+
+def test_usage_page_without_a_ledger_says_how_to_configure_one(page):
+    app = page("usage")
+    assert not app.exception
+    assert "--usage-db" in app.info[0].value
+
+
+def test_usage_page_says_so_when_the_ledger_is_unreachable(page):
+    app = page("usage", KVLEASE_USAGE_DB=f"postgresql://nobody@127.0.0.1:{free_port()}/none")
+    assert not app.exception
+    assert "ledger is not readable" in app.error[0].value
+
+
+def test_usage_page_shows_tenants_costs_and_the_download(page, november_ledger):
+    app = page("usage", KVLEASE_USAGE_DB=november_ledger.url)
+    app.date_input(key="from").set_value("2026-11-01")
+    app.date_input(key="to").set_value("2026-12-01")
+    app.run()
+    assert not app.exception and not app.error
+    [table] = app.dataframe
+    assert sorted(table.value["tenant_id"]) == ["acme", "bob", "cy"]
+    assert app.metric[1].value == "4"  # requests
+    [button] = app.get("download_button")
+    assert button.proto.label == "Download FOCUS CSV"
+
+    app.text_input(key="usage_search").input("ac").run()
+    assert list(app.dataframe[0].value["tenant_id"]) == ["acme"]
+
+
+def test_switching_pages_keeps_the_page_whole(page, november_ledger):
+    app = page("live", **{data.ENGINE_ENV: _dead_url(), data.TOKEN_ENV: "a.b.c"})
+    app.sidebar.radio(key="page").set_value("usage").run()
+    assert not app.exception
+    assert app.header[0].value == "Usage & billing"
+
+
+def test_dashboard_refuses_a_refresh_faster_than_two_seconds(capsys):
+    from engine.cli import main
+
+    assert main(["dashboard", "--refresh", "1"]) == 2
+    assert "at least 2 seconds" in capsys.readouterr().err

@@ -1,0 +1,258 @@
+"""The dashboard against a real server under multi-tenant traffic: AppTest for the idle
+and Prometheus cases, then `kvlease dashboard` (streamlit run) in a real headless
+Chromium (Debian's, driven by Playwright). Screenshots go to test-artifacts/
+($KVLEASE_TEST_ARTIFACTS), and the README shows them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from servers import free_port, kvlease_serve, prometheus, wait_for_series
+from streamlit.testing.v1 import AppTest
+
+from dashboard import data
+from dashboard.launch import APP
+from engine.cli import main
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = Path(os.environ.get("KVLEASE_TEST_ARTIFACTS", ROOT / "test-artifacts"))
+TENANTS = [
+    ("premium-a", "premium"),
+    ("standard-a", "standard"),
+    ("standard-b", "standard"),
+    ("free-a", "free"),
+    ("free-b", "free"),
+    ("free-c", "free"),
+]
+DASHBOARD = [sys.executable, "-m", "engine.cli", "dashboard"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="module")
+def server(kvlease_home, tmp_path_factory, usage_db):
+    """48 blocks of 32 tokens: six tenants streaming 200-token replies run short."""
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    srv = kvlease_serve(kvlease_home, log, "--usage-db", usage_db, "--num-blocks", "48")
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+def _admin_env(server) -> dict[str, str]:
+    return {
+        data.ENGINE_ENV: server.url,
+        data.TOKEN_ENV: server.token("ops", "premium", roles=["admin", "finance"]),
+    }
+
+
+def _app(monkeypatch, env: dict[str, str]) -> AppTest:
+    for name in (data.ENGINE_ENV, data.PROMETHEUS_ENV, data.TOKEN_ENV, "KVLEASE_USAGE_DB"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return AppTest.from_file(str(APP), default_timeout=30).run()
+
+
+def test_an_idle_engine_shows_an_empty_page_not_an_error(server, monkeypatch):
+    app = _app(monkeypatch, _admin_env(server))
+    assert not app.exception and not app.error
+    assert app.info[0].value.startswith("No tenant holds KV blocks yet")
+    assert app.metric[0].value == "0%"
+
+
+class Traffic:
+    """One streaming chat client per tenant, in a loop, until stopped."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.stop = threading.Event()
+        self.completed = 0
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=t, daemon=True) for t in TENANTS]
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.halt()
+
+    def halt(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def _run(self, tenant: str, tier: str) -> None:
+        client = openai.OpenAI(
+            base_url=f"{self.server.url}/v1",
+            api_key=self.server.token(tenant, tier, session=f"{tenant}-chat"),
+            max_retries=0,
+            timeout=120,
+        )
+        messages = [{"role": "user", "content": f"{tenant} asks about the cache. " * 6}]
+        while not self.stop.is_set():
+            try:
+                stream = client.chat.completions.create(
+                    model="kvlease-demo",
+                    messages=messages,
+                    max_tokens=200,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for _ in stream:
+                    pass
+                with self._lock:
+                    self.completed += 1
+            except openai.APIError as err:
+                with self._lock:
+                    self.errors.append(f"{tenant}: {err}")
+                time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def traffic(server):
+    with Traffic(server) as load:
+        deadline = time.monotonic() + 120
+        while load.completed < 6 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield load
+    assert load.errors == []
+
+
+@pytest.fixture(scope="module")
+def dashboard(server, usage_db, tmp_path_factory):
+    port = free_port()
+    env = {**os.environ, **_admin_env(server), "KVLEASE_USAGE_DB": usage_db}
+    log = (tmp_path_factory.mktemp("dashboard") / "streamlit.log").open("w")
+    proc = subprocess.Popen(
+        [*DASHBOARD, "--engine", server.url, "--usage-db", usage_db, "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/_stcore/health", timeout=2).text == "ok":
+                    break
+            time.sleep(0.25)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(
+            executable_path=shutil.which("chromium") or "/usr/bin/chromium", args=CHROMIUM_ARGS
+        )
+        yield chromium
+        chromium.close()
+
+
+# Points above zero in each plotly chart, from the traces plotly.js decoded (_fullData).
+PLOTTED_POINTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(
+    el => (el._fullData || []).reduce(
+        (n, trace) => n + Array.from(trace.y || []).filter(v => Number(v) > 0).length, 0))"""
+
+
+def _screenshot(page, path: Path, charts: int) -> None:
+    """Once every chart is drawn and nothing is greyed out by a rerun in progress. On two
+    busy cores a refresh can land inside the screenshot: check again after, retry."""
+    settled = f"""() => Array.from(document.querySelectorAll('.js-plotly-plot'))
+        .filter(el => el.querySelector('.main-svg')).length == {charts}
+        && !document.querySelector('[data-stale="true"]')"""
+    for _ in range(10):
+        page.wait_for_function(settled, timeout=30_000)
+        page.screenshot(path=path)
+        if page.evaluate(settled):
+            return
+
+
+def test_browser_sees_tenants_and_a_live_chart(traffic, dashboard, browser):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": 1440, "height": 2300})
+    page.goto(f"{dashboard}/?page=live", wait_until="domcontentloaded")
+    legend = page.locator(".js-plotly-plot .legendtext", has_text="premium-a")
+    legend.first.wait_for(timeout=90_000)
+    for tenant, _ in TENANTS[:4]:
+        assert page.locator(".js-plotly-plot .legendtext", has_text=tenant).count() >= 1
+    assert max(page.evaluate(PLOTTED_POINTS)) > 0  # the area chart has data, not a placeholder
+    assert page.get_by_text("Pool in use", exact=True).count() == 1
+    assert page.locator("[data-testid='stException']").count() == 0
+    # It refreshes itself in place: the stamp moves on, and a marker set in this page
+    # survives (a reload would wipe it).
+    page.evaluate("() => { window.kvleaseMarker = 1 }")
+    stamp = page.get_by_text("Updated ").first.inner_text()
+    page.wait_for_function(
+        "s => Array.from(document.querySelectorAll('p')).some("
+        "p => p.innerText.startsWith('Updated ') && p.innerText !== s)",
+        arg=stamp,
+        timeout=30_000,
+    )
+    assert page.evaluate("() => window.kvleaseMarker") == 1
+    _screenshot(page, ARTIFACTS / "dashboard-live.png", charts=3)
+    page.close()
+
+
+def test_prometheus_as_the_source_gives_the_same_tenants(server, traffic, monkeypatch, tmp_path):
+    with prometheus([f"127.0.0.1:{server.port}"], tmp_path) as prom:
+        wait_for_series(prom, "vllm_tenant_info")
+        wait_for_series(prom, 'vllm_tenant_kv_blocks{tenant_id="premium-a"}')
+        app = _app(monkeypatch, {data.PROMETHEUS_ENV: prom})
+        assert not app.exception and not app.error
+        tenants = app.dataframe[0].value.set_index("tenant_id")
+        assert {"premium-a", "standard-a", "free-a"} <= set(tenants.index)
+        assert tenants.loc["premium-a", "tier"] == "premium"
+
+
+def test_browser_downloads_the_cli_csv_from_the_usage_page(
+    server, traffic, dashboard, browser, usage_db, tmp_path
+):
+    traffic.halt()  # the ledger must hold still to be compared
+    time.sleep(1.0)
+    page = browser.new_page(viewport={"width": 1440, "height": 1500}, accept_downloads=True)
+    page.goto(f"{dashboard}/?page=usage", wait_until="domcontentloaded")
+    button = page.get_by_role("button", name="Download FOCUS CSV")
+    button.wait_for(timeout=60_000)
+    page.locator(".js-plotly-plot .xtick", has_text="premium-a").first.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        button.click()
+    got = tmp_path / "page.csv"
+    download.value.save_as(got)
+    expected = tmp_path / "cli.csv"
+    export = ["usage", "export", "--usage-db", usage_db, "--granularity", "day"]
+    assert main([*export, "-o", str(expected)]) == 0
+    assert got.read_bytes() == expected.read_bytes()
+    assert got.read_text().count("premium-a") >= 1
+    _screenshot(page, ARTIFACTS / "dashboard-usage.png", charts=1)
+    page.close()

@@ -1,0 +1,227 @@
+"""The dashboard's data shaping and figures, as pure functions."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+import pandas as pd
+import pytest
+
+from dashboard import charts, data
+from engine.cli import main
+from engine.labels import TenantLabels
+from exporters.history import History
+
+NOW = time.time()
+
+
+def _state(**tenants) -> dict:
+    return {
+        "pool_blocks": 63,
+        "free_blocks": 20,
+        "running": 5,
+        "waiting": 2,
+        "tenants": {
+            t: dict(zip(data.STATES, blocks, strict=True)) for t, blocks in tenants.items()
+        },
+        "tenant_tiers": {"acme": "premium", "bob": "free"},
+        "lease_summary": {"acme": {"active": 2, "seconds_left_max": 290.0}},
+    }
+
+
+def _history(state: dict, label=None) -> History:
+    history = History(label or TenantLabels(), window=600, every=1.0)
+    for i in range(5):
+        history.add_state(state, wall=NOW - 100 + i * 10)
+    mono = time.monotonic()
+    history.add_event(
+        {
+            "type": "Preemption",
+            "at": mono - 30,
+            "tenant_id": "bob",
+            "tier": "free",
+            "reason": "admit_higher_tier",
+            "blocks": 4,
+        }
+    )
+    history.add_event(
+        {"type": "Eviction", "at": mono - 20, "tenant_id": "bob", "tier": "free", "leased": False}
+        | {"blocks": 3}
+    )
+    history.add_event({"type": "LeaseEvent", "at": mono, "tenant_id": "acme"})  # not kept
+    return history
+
+
+def test_history_keeps_one_sample_per_interval_and_only_the_window():
+    history = History(TenantLabels(), window=10, every=1.0)
+    state = _state(acme=(3, 2, 1), idle=(0, 0, 0))
+    for i in range(40):
+        history.add_state(state, wall=NOW + i * 0.5)  # two snapshots per second
+    kept = history.since(600, now=NOW + 20)["samples"]
+    assert len(kept) == 10  # the window, at one per second
+    assert [s["t"] for s in kept] == [NOW + 10 + i for i in range(10)]
+    assert kept[0]["tenants"] == {"acme": [3, 2, 1]}  # tenants holding nothing are left out
+    assert history.since(3, now=NOW + 20)["samples"] == kept[-3:]
+
+
+def test_history_events_are_labelled_and_bounded():
+    history = History(TenantLabels(max_labels=1), max_events=3)
+    for tenant in ("a", "b", "c", "d"):
+        history.add_event(
+            {"type": "Preemption", "at": time.monotonic(), "tenant_id": tenant, "tier": "free"}
+            | {"reason": "kv_pressure", "blocks": 1}
+        )
+    events = history.since(60)["events"]
+    assert [e["tenant_id"] for e in events] == ["__other__"] * 3  # "a" took the one slot
+    assert {e["kind"] for e in events} == {"preemption"}
+
+
+def test_live_from_engine_joins_blocks_tiers_leases_and_recent_events():
+    state = _state(acme=(3, 2, 1), bob=(4, 0, 6))
+    history = _history(state)
+    live = data.live_from_engine(state, history.since(600), time.time())
+    assert live.utilisation == pytest.approx(43 / 63)
+    assert (live.running, live.waiting) == (5, 2)
+    rows = live.tenants.set_index("tenant_id")
+    assert rows.loc["acme", "tier"] == "premium" and rows.loc["acme", "held"] == 5
+    assert rows.loc["acme", "leases"] == 2 and rows.loc["acme", "lease_seconds_left"] == 290.0
+    assert rows.loc["bob", "preemptions_5m"] == 1 and rows.loc["bob", "evictions_5m"] == 3
+    assert len(live.occupancy) == 5 * 2 * 3  # samples x tenants x states
+    assert str(live.occupancy["t"].dt.tz) == "UTC"
+    assert sorted(live.events["kind"]) == ["eviction", "preemption"]
+    assert live.events.set_index("kind").loc["eviction", "n"] == 3  # blocks, for evictions
+
+
+def test_an_empty_engine_is_an_empty_picture_not_an_error():
+    state = _state() | {"lease_summary": {}, "tenant_tiers": {}}
+    live = data.live_from_engine(state, {"samples": [], "events": []}, time.time())
+    assert live.empty and live.tenants.empty
+    assert charts.occupancy_area(live.occupancy).layout.annotations[0].text.startswith("No tenant")
+    assert charts.events_timeline(live.events).layout.annotations[0].text.startswith("No ")
+
+
+def _vector(metric: dict, value: float) -> dict:
+    return {"metric": metric, "value": [NOW, str(value)]}
+
+
+def _matrix(metric: dict, values: list[float]) -> dict:
+    return {"metric": metric, "values": [[NOW - 10 * i, str(v)] for i, v in enumerate(values)]}
+
+
+def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
+    instant = {
+        "pool": [_vector({}, 126)],
+        "free": [_vector({}, 26)],
+        "running": [_vector({}, 9)],
+        "waiting": [],
+        "blocks": [
+            _vector({"tenant_id": "acme", "state": "running"}, 8),
+            _vector({"tenant_id": "acme", "state": "cached_leased"}, 4),
+            _vector({"tenant_id": "bob", "state": "cached"}, 2),
+        ],
+        "tiers": [_vector({"tenant_id": "acme", "tier": "premium"}, 1)],
+        "leases": [_vector({"tenant_id": "acme"}, 3)],
+        "lease_left": [_vector({"tenant_id": "acme"}, 120.4)],
+        "preemptions_5m": [_vector({"tenant_id": "bob"}, 2.0000001)],
+        "evictions_5m": [],
+    }
+    ranged = {
+        "occupancy": [_matrix({"tenant_id": "acme", "state": "running"}, [8, 6, 0])],
+        "preemptions": [_matrix({"tier": "free", "reason": "kv_pressure"}, [0, 2, 1])],
+        "evictions": [_matrix({"tier": "standard", "leased": "true"}, [5])],
+    }
+    live = data.live_from_prometheus(instant, ranged)
+    assert (live.pool_blocks, live.free_blocks, live.running, live.waiting) == (126, 26, 9, None)
+    rows = live.tenants.set_index("tenant_id")
+    acme = rows.loc["acme", ["running", "cached_leased", "held", "leases"]]
+    assert acme.tolist() == [8, 4, 12, 3]
+    assert rows.loc["bob", "preemptions_5m"] == 2 and rows.loc["bob", "tier"] == ""
+    assert len(live.occupancy) == 3
+    assert sorted(zip(live.events["reason"], live.events["n"], strict=True)) == [
+        ("kv_pressure", 1.0),
+        ("kv_pressure", 2.0),
+        ("leased_cache_eviction", 5.0),
+    ]  # zero buckets dropped
+
+
+def _tenants(n: int) -> pd.DataFrame:
+    rows = [
+        data._tenant_row(f"tenant-{i:04d}", "free", (i % 7, 0, i % 3), 0, None, 0, 0)
+        for i in range(n)
+    ]
+    return pd.DataFrame(rows, columns=data.TENANT_COLUMNS)
+
+
+def test_a_thousand_tenants_are_searched_and_cut_to_the_top():
+    tenants = _tenants(1000)
+    top = data.pick_tenants(tenants, top=10)
+    assert len(top) == 10 and (top["held"] == 6).all()
+    found = data.pick_tenants(tenants, search="TENANT-099", top=50)
+    assert sorted(found["tenant_id"]) == [f"tenant-{i:04d}" for i in range(990, 1000)]
+
+
+def test_tenants_outside_the_top_are_summed_into_other():
+    occupancy = data._frame(
+        [(NOW, t, "running", b) for t, b in (("a", 5), ("b", 1), ("c", 2))],
+        data.OCCUPANCY_COLUMNS,
+    )
+    keep = data.top_tenant_ids(occupancy, 1)
+    merged = data.top_occupancy(occupancy, keep)
+    assert keep == ["a"]
+    assert dict(zip(merged["tenant_id"], merged["blocks"], strict=True)) == {"a": 5, "other": 3}
+    figure = charts.occupancy_area(merged)
+    assert {t.name for t in figure.data} == {"a", "other"}
+
+
+def test_timeline_buckets_events_by_tier_and_reason():
+    events = data._frame(
+        [
+            (1_796_000_001.0, "preemption", "free", "kv_pressure", 1),  # one 10 s bucket
+            (1_796_000_002.0, "preemption", "free", "kv_pressure", 1),
+            (1_796_000_003.0, "eviction", "standard", "cache_eviction", 4),
+        ],
+        data.EVENT_COLUMNS,
+    )
+    figure = charts.events_timeline(events, bucket_seconds=10)
+    bars = {(t.name, tuple(t.y)) for t in figure.data}
+    assert ("free, kv_pressure", (2,)) in bars
+    assert ("standard, cache_eviction", (4,)) in bars
+
+
+def test_usage_by_tenant_totals_the_focus_rows_exactly(november_ledger, tiers):
+    lo, hi = 1_793_491_200.0, 1_796_083_200.0  # November 2026
+    rows = data.load_usage(november_ledger.url, lo, hi, "hour", tiers)
+    table = data.usage_by_tenant(rows).set_index("tenant_id")
+    assert table.loc["acme", "requests"] == 2 and table.loc["acme", "input_tokens"] == 2001
+    assert table.loc["acme", "recomputed_tokens"] == 140 and table.loc["acme", "preemptions"] == 2
+    assert table.loc["acme", "block_hours"] == Decimal("0.02")
+    assert table.loc["acme", "cost"] == sum(
+        Decimal(r["BilledCost"]) for r in rows if r["SubAccountId"] == "acme"
+    )
+    assert table.index[0] == "acme"  # largest cost first
+    figure = charts.cost_bars(data.usage_by_tenant(rows), tiers.currency)
+    assert {t.name for t in figure.data} == {"premium", "free", "standard"}
+
+
+def test_the_page_csv_is_the_cli_export_byte_for_byte(november_ledger, tiers, tmp_path):
+    lo, hi = 1_793_491_200.0, 1_796_083_200.0
+    page = data.usage_csv(november_ledger.url, lo, hi, "day", tiers)
+    out = tmp_path / "cli.csv"
+    window = ["--from", "2026-11-01", "--to", "2026-12-01", "--granularity", "day"]
+    url = november_ledger.url
+    assert main(["usage", "export", "--usage-db", url, *window, "-o", str(out)]) == 0
+    assert page == out.read_bytes() and page.count(b"\n") == 4  # header + 3 tenants
+
+
+def test_an_unreadable_ledger_is_a_source_error(tmp_path, tiers):
+    with pytest.raises(data.SourceError, match="ledger is not readable"):
+        data.load_usage("postgresql://nobody@127.0.0.1:1/none", 0, 1, "day", tiers)
+
+
+def test_config_comes_from_the_environment_and_refresh_is_at_least_2_s():
+    config = data.Config.from_env(
+        {data.ENGINE_ENV: "http://e:8000", data.REFRESH_ENV: "0.5", data.TOKEN_ENV: "t"}
+    )
+    assert (config.engine, config.prometheus, config.token) == ("http://e:8000", None, "t")
+    assert config.refresh_seconds == 2.0
