@@ -33,9 +33,8 @@ def tier_table() -> TierTable:
 
 @st.cache_data(ttl=10, show_spinner=False, max_entries=16)
 def load_usage(url: str, start: float, end: float, granularity: str) -> tuple[list[dict], bytes]:
-    tiers = tier_table()
-    rows = data.load_usage(url, start, end, granularity, tiers)
-    return rows, data.usage_csv(url, start, end, granularity, tiers)
+    rows = data.load_usage(url, start, end, granularity, tier_table())
+    return rows, data.focus_csv(rows)
 
 
 def live_page() -> None:

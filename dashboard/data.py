@@ -398,16 +398,12 @@ def load_usage(url: str, start: float, end: float, granularity: str, tiers) -> l
         raise SourceError(f"The usage ledger is not readable ({_one_line(exc)}).") from None
 
 
-def usage_csv(url: str, start: float, end: float, granularity: str, tiers) -> bytes:
-    """The FOCUS CSV of `kvlease usage export` for the same window, byte for byte."""
-    from exporters.billing import export_chunks
-    from exporters.usage import UsageLedger
+def focus_csv(rows: Iterable[dict[str, str]]) -> bytes:
+    """The FOCUS CSV of `kvlease usage export` for the rows `load_usage` gave, byte for
+    byte: the export writes its rows with the same `csv_chunks`."""
+    from exporters.billing import FOCUS_COLUMNS, csv_chunks
 
-    try:
-        records = UsageLedger(url).read(start, end)
-        return "".join(export_chunks(records, "focus", granularity, tiers)).encode()
-    except Exception as exc:
-        raise SourceError(f"The usage ledger is not readable ({_one_line(exc)}).") from None
+    return "".join(csv_chunks(rows, FOCUS_COLUMNS)).encode()
 
 
 def usage_by_tenant(rows: Iterable[dict[str, str]]) -> pd.DataFrame:

@@ -239,8 +239,8 @@ def csv_chunks(rows: Iterable[dict[str, str]], columns: tuple[str, ...]) -> Iter
 def export_chunks(
     records: Iterable[UsageRecord], fmt: str, granularity: str, tiers: TierTable
 ) -> Iterator[str]:
-    """The export file, as `kvlease usage export`, `/admin/usage.csv` and the dashboard
-    give it: one function, so the three are byte-identical."""
+    """The export file, as `kvlease usage export` and `/admin/usage.csv` give it (the
+    dashboard writes the same FOCUS rows with the same `csv_chunks`)."""
     if fmt == "raw":
         return csv_chunks(raw_rows(records), RAW_COLUMNS)
     return csv_chunks(focus_rows(records, granularity, tiers), FOCUS_COLUMNS)

@@ -206,7 +206,7 @@ def test_usage_by_tenant_totals_the_focus_rows_exactly(november_ledger, tiers):
 
 def test_the_page_csv_is_the_cli_export_byte_for_byte(november_ledger, tiers, tmp_path):
     lo, hi = 1_793_491_200.0, 1_796_083_200.0
-    page = data.usage_csv(november_ledger.url, lo, hi, "day", tiers)
+    page = data.focus_csv(data.load_usage(november_ledger.url, lo, hi, "day", tiers))
     out = tmp_path / "cli.csv"
     window = ["--from", "2026-11-01", "--to", "2026-12-01", "--granularity", "day"]
     url = november_ledger.url
