@@ -76,6 +76,16 @@ def _build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--address", default="127.0.0.1")
     dash.add_argument("--refresh", type=float, default=2.0, help="seconds, at least 2")
 
+    grafana = sub.add_parser("grafana", help="the bundled Grafana dashboards")
+    grafana_sub = grafana.add_subparsers(dest="grafana_command", required=True)
+    gbuild = grafana_sub.add_parser(
+        "build",
+        help="regenerate grafana/dashboards/*.json",
+        description="Write the dashboards' JSON; the cost panel uses the tier table's prices.",
+    )
+    gbuild.add_argument("--out", default=None, help="folder (default: grafana/dashboards)")
+    _add_tiers_arg(gbuild)
+
     demo = sub.add_parser("demo", help="build the demo model and answer one tenant's chat")
     demo.add_argument("--model", default=None, help="local path or hub id (default: demo model)")
     _add_tiers_arg(demo)
@@ -124,6 +134,17 @@ def _usage_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grafana_build(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from grafana.build import DASHBOARD_DIR, build
+
+    out = Path(args.out) if args.out else DASHBOARD_DIR
+    for path in build(out, TierTable.load(args.tiers)):
+        print(path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # every flag kvlease does not own goes to vLLM's parser
@@ -136,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _token(args)
         if args.command == "usage":
             return _usage_export(args)
+        if args.command == "grafana":
+            return _grafana_build(args)
         if args.command == "dashboard":
             from dashboard.launch import run_dashboard
 

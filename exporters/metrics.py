@@ -126,6 +126,23 @@ E2E = Family(
     "End-to-end request latency in the engine, by tier.",
     ("tier",),
 )
+WAITING = Family(
+    "vllm_tenant_waiting_requests",
+    "gauge",
+    "Requests in the scheduler's waiting queue, by tier (unclassified: no tenant fields).",
+    ("tier",),
+)
+RUNNING = Family("vllm_tenant_running_requests", "gauge", "Requests the scheduler is running.")
+LEDGER_RECORDS = Family(
+    "vllm_tenant_ledger_records_total",
+    "counter",
+    "Usage records this API process committed to the ledger.",
+)
+LEDGER_ERRORS = Family(
+    "vllm_tenant_ledger_write_errors_total",
+    "counter",
+    "Failed ledger commits by this API process (the batch is retried, never dropped).",
+)
 TENANT_INFO = Family(
     "vllm_tenant_info",
     "gauge",
@@ -153,6 +170,10 @@ FAMILIES = (
     REQUESTS,
     TTFT,
     E2E,
+    WAITING,
+    RUNNING,
+    LEDGER_RECORDS,
+    LEDGER_ERRORS,
     TENANT_INFO,
     EVENTS_DROPPED,
 )
@@ -228,6 +249,11 @@ class TenantMetrics:
         for name, hists in ((TTFT.name, ttft), (E2E.name, e2e)):
             for tier, (buckets, total) in sorted(hists.items()):
                 fam[name].add_metric([tier], buckets, total)
+        from exporters import ledger  # imports this module: late, to break the cycle
+
+        writer = ledger.WRITER
+        fam[LEDGER_RECORDS.name].add_metric([], writer.written if writer else 0)
+        fam[LEDGER_ERRORS.name].add_metric([], writer.write_errors if writer else 0)
         yield from fam.values()
 
     def _engine_families(self, fam: dict[str, Metric], state: dict, tokens: Counter) -> None:
@@ -235,6 +261,9 @@ class TenantMetrics:
         fam[POOL_BLOCKS.name].add_metric([], state["pool_blocks"])
         fam[FREE_BLOCKS.name].add_metric([], state["free_blocks"])
         fam[EVENTS_DROPPED.name].add_metric([], state["events_dropped"])
+        fam[RUNNING.name].add_metric([], state["running"])
+        for tier, n in state["waiting_by_tier"].items():  # JSON made the None key "null"
+            fam[WAITING.name].add_metric([UNCLASSIFIED if tier in (None, "null") else tier], n)
         offloaded = {t: n for t, n in totals["offloaded_blocks"]}
         for tenant, held in sorted(state["tenants"].items()):
             for kind in ("running", "cached_leased", "cached"):

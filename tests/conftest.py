@@ -6,6 +6,7 @@ Keys are generated per test session; no key material is stored in the repo.
 from __future__ import annotations
 
 import secrets
+import signal
 
 import pytest
 from records import NOV, rec
@@ -99,3 +100,15 @@ def november_ledger(tmp_path) -> UsageLedger:
 def usage_db(tmp_path_factory) -> str:
     """A SQLite ledger URL for one test module's server."""
     return f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'usage.db'}"
+
+
+@pytest.fixture(scope="module")
+def pressured_server(kvlease_home, tmp_path_factory, usage_db):
+    """`kvlease serve` on 48 blocks of 32 tokens, with its own ledger: six tenants
+    streaming 200-token replies run it short. One per test module."""
+    from servers import kvlease_serve
+
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    srv = kvlease_serve(kvlease_home, log, "--usage-db", usage_db, "--num-blocks", "48")
+    yield srv
+    srv.stop(signal.SIGKILL)

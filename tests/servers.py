@@ -127,16 +127,17 @@ def kvlease_serve(home: Path, log: Path, *args: str) -> Server:
 
 
 @contextlib.contextmanager
-def prometheus(targets: list[str], folder: Path, interval: str = "1s"):
-    """A real Prometheus (Debian's) scraping `targets` (host:port); yields its base URL
-    once it is ready. Stopped on exit."""
+def prometheus(targets: list[str], folder: Path, interval: str = "1s", rules: Path | None = None):
+    """A real Prometheus (Debian's) scraping `targets` (host:port), evaluating `rules`;
+    yields its base URL once it is ready. Stopped on exit."""
     import shutil
 
     port = free_port()
     config = folder / "prometheus.yml"
     config.write_text(
         f"global: {{scrape_interval: {interval}, evaluation_interval: {interval}}}\n"
-        "scrape_configs:\n"
+        + (f"rule_files: [{str(rules)!r}]\n" if rules else "")
+        + "scrape_configs:\n"
         "  - job_name: kvlease\n"
         f"    static_configs: [{{targets: {targets!r}}}]\n"
     )

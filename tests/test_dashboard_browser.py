@@ -11,15 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
-from servers import free_port, kvlease_serve, prometheus, wait_for_series
+from servers import free_port, prometheus, wait_for_series
 from streamlit.testing.v1 import AppTest
+from traffic import Traffic
 
 from dashboard import data
 from dashboard.launch import APP
@@ -48,12 +47,8 @@ CHROMIUM_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def server(kvlease_home, tmp_path_factory, usage_db):
-    """48 blocks of 32 tokens: six tenants streaming 200-token replies run short."""
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = kvlease_serve(kvlease_home, log, "--usage-db", usage_db, "--num-blocks", "48")
-    yield srv
-    srv.stop(signal.SIGKILL)
+def server(pressured_server):
+    return pressured_server
 
 
 def _admin_env(server) -> dict[str, str]:
@@ -78,63 +73,10 @@ def test_an_idle_engine_shows_an_empty_page_not_an_error(server, monkeypatch):
     assert app.metric[0].value == "0%"
 
 
-class Traffic:
-    """One streaming chat client per tenant, in a loop, until stopped."""
-
-    def __init__(self, server) -> None:
-        self.server = server
-        self.stop = threading.Event()
-        self.completed = 0
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=t, daemon=True) for t in TENANTS]
-
-    def __enter__(self) -> Traffic:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.halt()
-
-    def halt(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def _run(self, tenant: str, tier: str) -> None:
-        client = openai.OpenAI(
-            base_url=f"{self.server.url}/v1",
-            api_key=self.server.token(tenant, tier, session=f"{tenant}-chat"),
-            max_retries=0,
-            timeout=120,
-        )
-        messages = [{"role": "user", "content": f"{tenant} asks about the cache. " * 6}]
-        while not self.stop.is_set():
-            try:
-                stream = client.chat.completions.create(
-                    model="kvlease-demo",
-                    messages=messages,
-                    max_tokens=200,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                for _ in stream:
-                    pass
-                with self._lock:
-                    self.completed += 1
-            except openai.APIError as err:
-                with self._lock:
-                    self.errors.append(f"{tenant}: {err}")
-                time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def traffic(server):
-    with Traffic(server) as load:
-        deadline = time.monotonic() + 120
-        while load.completed < 6 and time.monotonic() < deadline:
-            time.sleep(0.5)
+    with Traffic(server, TENANTS) as load:
+        load.wait_for(6)
         yield load
     assert load.errors == []
 

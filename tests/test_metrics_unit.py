@@ -28,6 +28,8 @@ def _state(tenants=None, tenant_tiers=None, **totals):
         "events_dropped": 2,
         "tenants": tenants or {},
         "tenant_tiers": tenant_tiers or {},
+        "running": 4,
+        "waiting_by_tier": {"premium": 1, "standard": 0, "free": 3, "null": 2},
         "leases": [],
         "lease_summary": {},
         "totals": {**base, **totals},
@@ -95,6 +97,10 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
 
     assert value("vllm_tenant_kv_blocks", tenant_id="acme", state="running") == 3
     assert value("vllm_tenant_info", tenant_id="acme", tier="premium") == 1
+    assert value("vllm_tenant_running_requests") == 4
+    assert value("vllm_tenant_waiting_requests", tier="free") == 3
+    assert value("vllm_tenant_waiting_requests", tier=UNCLASSIFIED) == 2
+    assert value("vllm_tenant_ledger_write_errors") == 0
     assert (
         value(
             "vllm_tenant_preemptions",

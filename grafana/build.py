@@ -1,0 +1,461 @@
+"""The Grafana dashboards, as code: `kvlease grafana build` writes grafana/dashboards/*.json.
+
+Panels are plain data (`Panel`, `Query`) rendered with Grafana's own
+foundation SDK (`grafana-foundation-sdk`), so a panel is a title, a sentence
+and its PromQL. Every query reads only kvlease's `vllm_tenant_*` families
+(exporters/metrics.py; a test holds them to it), filtered by the dashboard
+variables: datasource, job, instance, tier, tenant (multi-select; its options
+follow the tier picked, through `vllm_tenant_info`).
+
+The estimated-cost panel prices tokens and block-hours with the tier table
+the dashboards were built from (`--tiers`), per tenant's tier.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import bargauge, stat, timeseries
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import prometheus as prom
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models.dashboard import (
+    DataSourceRef,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
+
+from engine.tenancy import TierTable
+
+HERE = Path(__file__).resolve().parent
+DASHBOARD_DIR = HERE / "dashboards"
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SEL = 'job=~"$job", instance=~"$instance"'
+TENANT = f'{SEL}, tenant_id=~"$tenant"'
+TIER = f'{SEL}, tier=~"$tier"'
+RANGE = "$__range"  # the dashboard's time range
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str = ""
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    queries: tuple[Query, ...]
+    kind: str = "timeseries"  # timeseries | stat | bargauge
+    unit: str = "short"
+    stacked: bool = False
+    width: int = 12
+    height: int = 8
+
+
+def _sum(fn: str, metric: str, by: str, sel: str = TENANT, window: str = "$__rate_interval") -> str:
+    """sum [by (...)] (fn(metric{sel}[window])): the shape of most panels."""
+    grouping = f" by ({by})" if by else ""
+    return f"sum{grouping} ({fn}({metric}{{{sel}}}[{window}]))"
+
+
+def _q(expr: str, legend: str = "") -> tuple[Query, ...]:
+    return (Query(expr, legend),)
+
+
+def kv_cache_panels() -> list[Panel]:
+    used = (
+        f"1 - sum(vllm_tenant_kv_free_blocks{{{SEL}}}) / sum(vllm_tenant_kv_pool_blocks{{{SEL}}})"
+    )
+    return [
+        Panel(
+            "Pool in use",
+            "Share of usable KV blocks that are not free (free counts evictable cached "
+            "prefixes), summed over the selected instances.",
+            _q(used, "in use"),
+            kind="stat",
+            unit="percentunit",
+            width=6,
+        ),
+        Panel(
+            "Pool in use over time",
+            "The same share over time; the alert fires above 95% for 5 minutes.",
+            _q(used, "in use"),
+            unit="percentunit",
+            width=18,
+        ),
+        Panel(
+            "Blocks by tenant and state",
+            "KV blocks each tenant holds: running (its requests), cached_leased (prefixes a "
+            "lease protects), cached (evictable prefixes).",
+            _q(
+                f"sum by (tenant_id, state) (vllm_tenant_kv_blocks{{{TENANT}}})",
+                "{{tenant_id}} {{state}}",
+            ),
+            stacked=True,
+            width=24,
+            height=10,
+        ),
+        Panel(
+            "Active leases by tenant",
+            "Sessions whose lease is running (premium 300 s, standard 60 s after the last "
+            "request, by default).",
+            _q(f"sum by (tenant_id) (vllm_tenant_lease_active{{{TENANT}}})", "{{tenant_id}}"),
+            stacked=True,
+        ),
+        Panel(
+            "Lease time left",
+            "Longest time left on any of the tenant's leases (a full lease while a request "
+            "is in flight).",
+            _q(
+                f"max by (tenant_id) (vllm_tenant_lease_seconds_left{{{TENANT}}})",
+                "{{tenant_id}}",
+            ),
+            kind="bargauge",
+            unit="s",
+        ),
+        Panel(
+            "Preemptions by tier, reason and mode",
+            "Running requests preempted per second: kv_pressure (the pool ran short), "
+            "admit_higher_tier (to admit a waiting request of a higher tier), cache_reset; "
+            "mode recompute or offload.",
+            _q(
+                _sum("rate", "vllm_tenant_preemptions_total", "tier, reason, mode", TIER),
+                "{{tier}} {{reason}} {{mode}}",
+            ),
+            unit="reqps",
+            stacked=True,
+        ),
+        Panel(
+            "Blocks taken by priority and reason",
+            "KV blocks taken from tenants per second, by tier priority (0 = premium): blocks "
+            "of preempted requests and evicted cached prefixes (cache_eviction, "
+            "leased_cache_eviction).",
+            _q(
+                _sum("rate", "vllm_tenant_kv_cache_evictions_total", "priority, preemption_reason"),
+                "priority {{priority}} {{preemption_reason}}",
+            ),
+            stacked=True,
+        ),
+        Panel(
+            "Cached-block evictions by tier",
+            "Cached prefix blocks evicted per second to make room, by tier and whether a "
+            "lease protected them (leased evictions mean the leased cap or the pool is too "
+            "small).",
+            _q(
+                _sum("rate", "vllm_tenant_cached_block_evictions_total", "tier, leased", TIER),
+                "{{tier}} leased={{leased}}",
+            ),
+            stacked=True,
+        ),
+        Panel(
+            "Offloaded (swapped) blocks",
+            "Blocks of requests preempted in offload mode and not yet resumed (always 0 "
+            "without KV offloading, as on CPU).",
+            _q(
+                f"sum by (tenant_id) (vllm_tenant_active_swapped_blocks{{{TENANT}}})",
+                "{{tenant_id}}",
+            ),
+        ),
+        Panel(
+            "Queue",
+            "Requests running, and waiting by tier, in the scheduler.",
+            (
+                Query(f"sum(vllm_tenant_running_requests{{{SEL}}})", "running"),
+                Query(
+                    f"sum by (tier) (vllm_tenant_waiting_requests{{{TIER}}})",
+                    "waiting {{tier}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Scheduler events dropped",
+            "Events lost to a full event buffer (counters stay exact; spans and the live "
+            "event timeline miss them).",
+            _q(
+                _sum("increase", "vllm_tenant_events_dropped_total", "", SEL),
+                "dropped",
+            ),
+            width=24,
+            height=6,
+        ),
+    ]
+
+
+def _cost_expr(tiers: TierTable) -> str:
+    """Estimated cost by tenant over the dashboard's range, priced by the tenant's tier:
+    (input - cached)/1k x input + cached/1k x cached + output/1k x output + block-hours x
+    block-hour, as the billing export computes it. Prometheus extrapolates counters at
+    the range's edges, so this estimates; the ledger is exact."""
+
+    def increase(kind: str) -> str:
+        return f'increase(vllm_tenant_tokens_total{{{TENANT}, kind="{kind}"}}[$__range])'
+
+    branches = []
+    for tier in tiers:
+        p = tiers[tier].prices
+        terms = [
+            (increase("input"), p.input_per_1k / 1000),
+            (increase("cached_input"), (p.cached_input_per_1k - p.input_per_1k) / 1000),
+            (increase("output"), p.output_per_1k / 1000),
+            (
+                f"increase(vllm_tenant_kv_block_seconds_total{{{TENANT}}}[$__range])",
+                p.block_hour / 3600,
+            ),
+        ]
+        priced = " or ".join(f"{e} * {_num(price)}" for e, price in terms if price)
+        if not priced:
+            continue
+        info = f'max by (tenant_id) (vllm_tenant_info{{{SEL}, tier="{tier}"}})'
+        branches.append(f"(({priced}) * on (tenant_id) group_left () {info})")
+    if not branches:
+        return f"sum by (tenant_id) (vllm_tenant_info{{{SEL}}}) * 0"
+    return "sum by (tenant_id) (" + " or ".join(branches) + ")"
+
+
+def _num(value: Decimal) -> str:
+    return format(value.normalize(), "f")
+
+
+def usage_panels(tiers: TierTable) -> list[Panel]:
+    def ttft(q: str) -> str:
+        return (
+            f"histogram_quantile({q}, "
+            + _sum("rate", "vllm_tenant_time_to_first_token_seconds_bucket", "le, tier", TIER)
+            + ")"
+        )
+
+    return [
+        Panel(
+            "Tokens per second by tenant and kind",
+            "input (prompt), cached_input (prompt tokens served from the prefix cache), "
+            "output, recomputed (computed again after a preemption; never billed).",
+            _q(
+                _sum("rate", "vllm_tenant_tokens_total", "tenant_id, kind"),
+                "{{tenant_id}} {{kind}}",
+            ),
+            stacked=True,
+            width=24,
+            height=10,
+        ),
+        Panel(
+            "KV block-hours by tenant",
+            "Block-hours held over the dashboard's time range (running plus leased cached "
+            "blocks), the quantity the block-hour price applies to.",
+            _q(
+                _sum("increase", "vllm_tenant_kv_block_seconds_total", "tenant_id", window=RANGE)
+                + " / 3600",
+                "{{tenant_id}}",
+            ),
+            kind="bargauge",
+        ),
+        Panel(
+            f"Estimated cost by tenant ({tiers.currency})",
+            "Cost over the dashboard's time range at the tier table's prices (built with "
+            "`kvlease grafana build --tiers`); Prometheus extrapolates, the ledger's FOCUS "
+            "export is the bill.",
+            _q(_cost_expr(tiers), "{{tenant_id}}"),
+            kind="bargauge",
+            unit=f"currency{tiers.currency}",
+        ),
+        Panel(
+            "Requests by outcome",
+            "Finished requests per second: completed, aborted (client gone), failed.",
+            _q(
+                _sum("rate", "vllm_tenant_requests_total", "outcome"),
+                "{{outcome}}",
+            ),
+            unit="reqps",
+            stacked=True,
+        ),
+        Panel(
+            "Requests by tenant",
+            "Finished requests per second, by tenant.",
+            _q(
+                _sum("rate", "vllm_tenant_requests_total", "tenant_id"),
+                "{{tenant_id}}",
+            ),
+            unit="reqps",
+            stacked=True,
+        ),
+        Panel(
+            "Time to first token by tier (p50, p99)",
+            "Engine time to first token (queued plus prefill), by tier.",
+            (Query(ttft("0.5"), "p50 {{tier}}"), Query(ttft("0.99"), "p99 {{tier}}")),
+            unit="s",
+            width=24,
+        ),
+        Panel(
+            "Ledger writes",
+            "Usage records committed per second, and failed commits (retried, never "
+            "dropped; the alert fires on any).",
+            (
+                Query(
+                    _sum("rate", "vllm_tenant_ledger_records_total", "", SEL),
+                    "records",
+                ),
+                Query(
+                    _sum("increase", "vllm_tenant_ledger_write_errors_total", "", SEL),
+                    "write errors",
+                ),
+            ),
+            width=24,
+            height=6,
+        ),
+    ]
+
+
+def _variables() -> list[Any]:
+    def query_var(name: str, label: str, query: str, multi: bool = False) -> Any:
+        return (
+            dash.QueryVariable(name)
+            .label(label)
+            .query(query)
+            .datasource(DS)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .include_all(True)
+            .all_value(".*" if not multi else None)
+            .multi(multi)
+            .current(VariableOption(selected=True, text="All", value="$__all"))
+        )
+
+    return [
+        dash.DatasourceVariable("datasource")
+        .label("Data source")
+        .type("prometheus")
+        .current(VariableOption(selected=True, text="Prometheus", value="${DS_PROMETHEUS}")),
+        query_var("job", "job", "label_values(vllm_tenant_kv_pool_blocks, job)"),
+        query_var(
+            "instance",
+            "instance",
+            'label_values(vllm_tenant_kv_pool_blocks{job=~"$job"}, instance)',
+        ),
+        query_var("tier", "tier", f"label_values(vllm_tenant_info{{{SEL}}}, tier)"),
+        query_var(
+            "tenant",
+            "tenant",
+            f'label_values(vllm_tenant_info{{{SEL}, tier=~"$tier"}}, tenant_id)',
+            multi=True,
+        ),
+    ]
+
+
+def _panel(p: Panel) -> Any:
+    builder = {"timeseries": timeseries, "stat": stat, "bargauge": bargauge}[p.kind].Panel()
+    builder = (
+        builder.title(p.title)
+        .description(p.description)
+        .datasource(DS)
+        .unit(p.unit)
+        .height(p.height)
+        .span(p.width)
+    )
+    for i, q in enumerate(p.queries):
+        target = prom.Dataquery().expr(q.expr).ref_id("ABCDEFGH"[i]).datasource(DS)
+        builder = builder.with_target(target.legend_format(q.legend) if q.legend else target)
+    if p.kind == "timeseries":
+        builder = builder.fill_opacity(25 if p.stacked else 10).legend(
+            common_builders.VizLegendOptions()
+            .display_mode(common.LegendDisplayMode.TABLE)
+            .placement(common.LegendPlacement.RIGHT)
+            .show_legend(True)
+            .calcs(["lastNotNull", "max"])
+        )
+        if p.stacked:
+            builder = builder.stacking(
+                common_builders.StackingConfig().mode(common.StackingMode.NORMAL)
+            )
+    else:
+        builder = builder.reduce_options(
+            common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
+        )
+    return builder
+
+
+def _dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> dict[str, Any]:
+    builder = (
+        dash.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["kvlease", "vllm"])
+        .refresh("10s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .editable()
+    )
+    for variable in _variables():
+        builder = builder.with_variable(variable)
+    for panel in panels:
+        builder = builder.with_panel(_panel(panel))
+    doc = json.loads(JSONEncoder(sort_keys=True).encode(builder.build()))
+    # Import through the UI asks for the Prometheus data source (`__inputs`);
+    # provisioning leaves ${DS_PROMETHEUS} unresolved and the variable falls back
+    # to the default Prometheus data source.
+    doc["__inputs"] = [
+        {
+            "name": "DS_PROMETHEUS",
+            "label": "Prometheus",
+            "description": "The Prometheus that scrapes kvlease's /metrics",
+            "type": "datasource",
+            "pluginId": "prometheus",
+            "pluginName": "Prometheus",
+        }
+    ]
+    doc["__requires"] = [
+        {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"}
+    ]
+    return doc
+
+
+def dashboards(tiers: TierTable) -> dict[str, dict[str, Any]]:
+    """File name -> dashboard JSON."""
+    return {
+        "kvlease-kv-cache.json": _dashboard(
+            "kvlease-kv-cache",
+            "kvlease / Tenant KV cache",
+            "Who holds the shared vLLM engine's KV cache, leases, and who loses blocks.",
+            kv_cache_panels(),
+        ),
+        "kvlease-usage.json": _dashboard(
+            "kvlease-usage",
+            "kvlease / Tenant usage",
+            "Tokens, block-hours, requests, estimated cost and time to first token by tenant.",
+            usage_panels(tiers),
+        ),
+    }
+
+
+def render(tiers: TierTable) -> dict[str, str]:
+    """File name -> the exact text `build` writes (so a test can compare)."""
+    return {
+        name: json.dumps(doc, indent=2, sort_keys=True) + "\n"
+        for name, doc in dashboards(tiers).items()
+    }
+
+
+def build(out: Path = DASHBOARD_DIR, tiers: TierTable | None = None) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render(tiers or TierTable.load()).items():
+        path = out / name
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def panel_queries(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target of a dashboard JSON."""
+    return [
+        (panel["title"], target["expr"])
+        for panel in doc.get("panels", [])
+        for target in panel.get("targets", [])
+    ]

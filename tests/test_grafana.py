@@ -1,0 +1,181 @@
+"""The bundled Grafana dashboards and alert rules: current, import-ready, naming only
+kvlease's metrics, and every query answered by a real Prometheus scraping a real server."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+import yaml
+from servers import prometheus, wait_for_series
+from traffic import Traffic
+
+from engine.tenancy import TierTable
+from exporters.metrics import FAMILIES
+from grafana.build import DASHBOARD_DIR, HERE, panel_queries, render
+
+ALERTS = HERE / "alerts.yml"
+METRIC = re.compile(r"\b(vllm[_:][A-Za-z0-9_:]*)")
+# What Grafana puts in for the variables when every value is selected.
+SUBSTITUTE = {
+    "$__rate_interval": "30s",
+    "$__range": "1h",
+    "$job": ".*",
+    "$instance": ".*",
+    "$tier": ".*",
+    "$tenant": ".*",
+}
+
+
+def _dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARD_DIR.glob("*.json"))}
+
+
+def _alert_rules() -> list[dict]:
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def _all_queries() -> list[tuple[str, str]]:
+    out = []
+    for name, doc in _dashboards().items():
+        out += [(f"{name}: {title}", expr) for title, expr in panel_queries(doc)]
+        out += [
+            (f"{name}: variable {v['name']}", v["query"])
+            for v in doc["templating"]["list"]
+            if v["type"] == "query"
+        ]
+    return out + [(f"alert {r['alert']}", r["expr"]) for r in _alert_rules()]
+
+
+def _substitute(expr: str) -> str:
+    """The PromQL Grafana would send: variables filled in, and a variable's
+    label_values(selector, label) as the equivalent count by (label) (selector)."""
+    for variable in sorted(SUBSTITUTE, key=len, reverse=True):
+        expr = expr.replace(variable, SUBSTITUTE[variable])
+    if match := re.fullmatch(r"label_values\((.+),\s*(\w+)\)", expr):
+        return f"count by ({match[2]}) ({match[1]})"
+    return expr
+
+
+def test_committed_dashboards_are_what_the_generator_writes():
+    rendered = render(TierTable.load())
+    committed = {p.name: p.read_text() for p in DASHBOARD_DIR.glob("*.json")}
+    assert committed == rendered, "stale: run `kvlease grafana build` and commit the result"
+
+
+def test_every_metric_named_is_one_kvlease_defines():
+    defined = {f.name for f in FAMILIES}
+    unknown = set()
+    for where, expr in _all_queries():
+        for name in METRIC.findall(expr):
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if name not in defined and base not in defined:
+                unknown.add((where, name))
+    assert unknown == set()
+    assert len(_all_queries()) > 20
+
+
+def test_dashboards_import_through_the_ui_and_provisioning():
+    for doc in _dashboards().values():
+        assert doc["__inputs"][0]["pluginId"] == "prometheus"
+        variables = {v["name"]: v for v in doc["templating"]["list"]}
+        assert list(variables) == ["datasource", "job", "instance", "tier", "tenant"]
+        assert variables["datasource"]["current"]["value"] == "${DS_PROMETHEUS}"
+        assert variables["tenant"]["multi"] and variables["tenant"]["includeAll"]
+        for panel in doc["panels"]:
+            assert panel["description"] and panel["datasource"]["uid"] == "${datasource}"
+            assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+    datasources = yaml.safe_load((HERE / "provisioning/datasources/kvlease.yml").read_text())
+    assert datasources["datasources"][0]["type"] == "prometheus"
+    providers = yaml.safe_load((HERE / "provisioning/dashboards/kvlease.yml").read_text())
+    assert providers["providers"][0]["type"] == "file"
+
+
+def test_readme_describes_every_panel():
+    readme = (HERE.parent / "README.md").read_text()
+    missing = [t for d in _dashboards().values() for t, _ in panel_queries(d) if t not in readme]
+    assert missing == []
+
+
+def test_promtool_accepts_the_alert_rules():
+    result = subprocess.run(
+        [shutil.which("promtool") or "promtool", "check", "rules", str(ALERTS)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 5 rules found" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def server(pressured_server):
+    return pressured_server
+
+
+@pytest.fixture(scope="module")
+def prom(server, tmp_path_factory):
+    """Started before any traffic, so its counters begin at zero."""
+    folder = tmp_path_factory.mktemp("prom")
+    with prometheus([f"127.0.0.1:{server.port}"], folder, rules=ALERTS) as url:
+        wait_for_series(url, "vllm_tenant_kv_pool_blocks")
+        yield url
+
+
+def _query(prom: str, expr: str) -> list[dict]:
+    r = httpx.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def _firing(prom: str, alert: str) -> bool:
+    alerts = httpx.get(f"{prom}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    return any(a["labels"]["alertname"] == alert and a["state"] == "firing" for a in alerts)
+
+
+MIXED = [("premium-g", "premium"), ("standard-g", "standard")] + [
+    (f"free-g{i}", "free") for i in range(4)
+]
+
+
+@pytest.mark.engine
+def test_every_panel_query_returns_data_from_a_real_prometheus(server, prom):
+    with Traffic(server, MIXED) as load:
+        load.wait_for(12)
+        wait_for_series(prom, 'vllm_tenant_cached_block_evictions_total{tier="free"}')
+        time.sleep(3)  # a few scrapes of the load
+        empty = [
+            where
+            for where, expr in _all_queries()
+            if not where.startswith("alert") and not _query(prom, _substitute(expr))
+        ]
+        premium_alert = _query(prom, _substitute(_rule("KvleasePremiumPreempted")["expr"]))
+    assert load.errors == []
+    assert empty == []
+    # kvlease never preempted premium work while lower tiers ran: the alert stays quiet.
+    assert premium_alert == [] and not _firing(prom, "KvleasePremiumPreempted")
+
+
+def _rule(name: str) -> dict:
+    return next(r for r in _alert_rules() if r["alert"] == name)
+
+
+@pytest.mark.engine
+def test_premium_preemptions_fire_the_alert(server, prom):
+    """Only premium tenants, each asking for more than its share of 48 blocks: someone
+    premium must be preempted, and Prometheus must see the alert fire."""
+    premium_only = [(f"premium-p{i}", "premium") for i in range(6)]
+    with Traffic(server, premium_only, max_tokens=400) as load:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not _firing(prom, "KvleasePremiumPreempted"):
+            time.sleep(1)
+    assert load.errors == []
+    assert _firing(prom, "KvleasePremiumPreempted")
+    [series] = _query(prom, _substitute(_rule("KvleasePremiumPreempted")["expr"]))
+    assert float(series["value"][1]) > 0
