@@ -11,11 +11,14 @@ BROKEN_WHEELS := torchvision torchaudio torchcodec
 # Debian packages the tests use: prometheus (promtool and a real server), postgresql,
 # chromium (the dashboard's browser test; Playwright drives it, never downloads one).
 DEB_PACKAGES := prometheus postgresql chromium
+# The demo's own Prometheus (it runs without one, with a note, if apt-get cannot install it).
+DEMO_DEB_PACKAGES := prometheus
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: demo test lint venv deb
 
 demo: $(STAMP)
+	-@$(MAKE) --no-print-directory deb DEB_PACKAGES="$(DEMO_DEB_PACKAGES)"
 	$(VENV)/bin/kvlease demo
 
 test: $(STAMP) deb

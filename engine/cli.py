@@ -86,7 +86,19 @@ def _build_parser() -> argparse.ArgumentParser:
     gbuild.add_argument("--out", default=None, help="folder (default: grafana/dashboards)")
     _add_tiers_arg(gbuild)
 
-    demo = sub.add_parser("demo", help="build the demo model and answer one tenant's chat")
+    demo = sub.add_parser(
+        "demo",
+        help="the whole system, live: server, tenants' traffic, dashboard, Prometheus",
+        description="Start kvlease serve on a small pool, Prometheus and the dashboard, and "
+        "play a multi-tenant chat workload until --duration or Ctrl-C; then print a summary.",
+    )
+    demo.add_argument("--duration", type=float, default=None, help="seconds (default: Ctrl-C)")
+    demo.add_argument("--tenants", type=int, default=12, help="tenants across the tiers (12)")
+    demo.add_argument("--port", type=int, default=8000, help="API port (8000)")
+    demo.add_argument("--dashboard-port", type=int, default=8501)
+    demo.add_argument("--prometheus-port", type=int, default=9090)
+    demo.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
+    demo.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     demo.add_argument("--model", default=None, help="local path or hub id (default: demo model)")
     _add_tiers_arg(demo)
     return parser
@@ -165,7 +177,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_dashboard(args)
         from engine.demo import run_demo
 
-        return run_demo(model=args.model, tiers_path=args.tiers)
+        return run_demo(
+            duration=args.duration,
+            tenants=args.tenants,
+            port=args.port,
+            dashboard=not args.no_dashboard,
+            dashboard_port=args.dashboard_port,
+            prometheus_port=args.prometheus_port,
+            model=args.model,
+            tiers_path=args.tiers,
+            seed=args.seed,
+        )
     except (KeyConfigError, TierConfigError, VllmVersionError, DependencyError, ValueError) as exc:
         print(f"kvlease {args.command}: error: {exc}", file=sys.stderr)
         return 2

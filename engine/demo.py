@@ -1,59 +1,380 @@
-"""`kvlease demo`: one tenant, one verified token, one reply from a real vLLM engine.
+"""`kvlease demo`: the whole system, live, on a CPU-only machine.
 
-The key is generated for this run and lives only in this process, so no demo
-secret ever exists in the repository or on disk.
+Builds the demo model if missing, makes a JWT key for this run only (it never
+touches the disk), starts `kvlease serve` on a pool small enough that tenants
+compete within a minute, Prometheus (when Debian's is installed) with the
+bundled alert rules, and the dashboard; then plays a seeded multi-tenant chat
+workload (engine/workload.py) through the stock `openai` client, showing a
+live line, until `--duration` or Ctrl-C. Everything it started is stopped
+(the server drains, so the ledger has every record), and a summary is printed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import secrets
+import shutil
+import signal
+import subprocess
+import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from engine.auth import Authenticator, KeyRing, mint_token
-from engine.demo_model import default_model_dir, ensure_demo_model
-from engine.runtime import prepare_environment, require_vllm
-from engine.tenancy import TenantContext, TierTable
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-PROMPT = "Hello! Which tier am I on, and how long does my cache lease last?"
+from engine.auth import HS256_KEY_ENV, KeyRing, mint_token
+from engine.loadgen import LoadStats, play
+from engine.paths import kvlease_home
+from engine.prometheus import write_config
+from engine.tenancy import TierTable
+from engine.workload import TIERS, WorkloadSpec, stream_sessions, tenant_names
+
+MODEL = "kvlease-demo"
+POOL_BLOCKS = 64  # 2,016 tokens: free sessions outgrow it within a minute, premium alone not
+STOP_SECONDS = 60
 
 
-def run_demo(model: str | None = None, tiers_path: str | None = None) -> int:
+@dataclass
+class Demo:
+    """The processes the demo started and where their files are."""
+
+    run: Path
+    port: int
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ledger(self) -> Path:
+        return self.run / "usage.db"
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Its own process group, so Ctrl-C reaches only the demo, which stops it in order."""
+        log = (self.run / f"{name}.log").open("w")
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.procs[name] = proc
+        return proc
+
+    def stop(self, name: str, timeout: float) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop_all(self) -> None:
+        """Dashboard and Prometheus first, then the server: SIGTERM drains in-flight
+        requests and commits their ledger records before it exits."""
+        for name in ("dashboard", "prometheus"):
+            self.stop(name, 10)
+        self.stop("server", STOP_SECONDS)
+        for proc in self.procs.values():  # anything left: no orphans
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.procs.clear()
+
+
+def run_demo(
+    duration: float | None = None,
+    tenants: int = 12,
+    port: int = 8000,
+    dashboard: bool = True,
+    dashboard_port: int = 8501,
+    prometheus_port: int = 9090,
+    model: str | None = None,
+    tiers_path: str | None = None,
+    seed: int = 0,
+) -> int:
     tiers = TierTable.load(tiers_path)
-    require_vllm()
-    if model is None:
-        if not (default_model_dir() / ".complete").exists():
-            print(f"building the demo model in {default_model_dir()} (once) ...", flush=True)
-        model = str(ensure_demo_model())
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: never ask the hub
-    prepare_environment()
-
-    keyring = KeyRing.from_secret(secrets.token_urlsafe(48))
-    token = mint_token(
-        keyring, tiers, tenant_id="acme", tier="premium", session_id="demo-1", ttl_seconds=600
+    spec = WorkloadSpec.for_tenants(
+        tenants,
+        duration=duration or float("inf"),
+        sessions_per_second=1.0,
+        mean_turns=4,
+        mean_think_seconds=3,
+        output_median=150,
+        max_tokens=256,
+        seed=seed,
     )
-    ctx = Authenticator(keyring, tiers).authenticate(f"Bearer {token}")
-    tier = tiers[ctx.tier]
-    print(
-        f"minted and verified a token for tenant {ctx.tenant_id!r}: tier {tier.name} "
-        f"(priority {tier.priority}, lease {tier.lease_seconds:g} s)",
-        flush=True,
-    )
-
-    print(f"starting vLLM with {model} (about 30 s on 2 CPU cores) ...", flush=True)
-    started = time.monotonic()
-    reply, prompt_tokens = _chat(model, ctx)
-    print(f"engine answered after {time.monotonic() - started:.1f} s")
-    print(f"user ({prompt_tokens} prompt tokens): {PROMPT}")
-    print(f"assistant: {reply!r}")
-    print("(the demo model is random-init: its words are gibberish, its KV blocks are real)")
+    run = kvlease_home() / "demo"
+    run.mkdir(parents=True, exist_ok=True)
+    demo = Demo(run, port)
+    started = time.time()  # the ledger outlives runs: the summary counts this one's records
+    secret = secrets.token_urlsafe(48)  # this run only: in memory and the children's env
+    keyring = KeyRing.from_secret(secret)
+    env = _environment(secret)
+    try:
+        model = _model(model)
+        if not _start_server(demo, model, tiers_path, env):
+            return 1
+        prom_url = _start_prometheus(demo, prometheus_port, env)
+        admin = _token(keyring, tiers, "demo-admin", "premium", roles=("admin", "finance"))
+        dash_url = (
+            _start_dashboard(demo, dashboard_port, prom_url, admin, env) if dashboard else None
+        )
+        _banner(demo, keyring, tiers, dash_url, prom_url)
+        stats = _drive(demo, spec, keyring, tiers, duration)
+    except KeyboardInterrupt:
+        stats = None
+        print("\ninterrupted", flush=True)
+    finally:
+        final = _scrape(demo)
+        print("stopping: dashboard, Prometheus, then the server (it drains) ...", flush=True)
+        try:
+            demo.stop_all()
+        except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
+            for proc in demo.procs.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    _summary(demo, spec, tiers, stats, final, started)
     return 0
 
 
-def _chat(model: str, ctx: TenantContext) -> tuple[str, int]:
-    from vllm import LLM, SamplingParams
+def _token(keyring, tiers, tenant: str, tier: str, session=None, roles=()) -> str:
+    return mint_token(
+        keyring,
+        tiers,
+        tenant_id=tenant,
+        tier=tier,
+        roles=roles,
+        session_id=session,
+        ttl_seconds=86_400,
+    )
 
-    llm = LLM(model=model, enforce_eager=True, block_size=32, max_model_len=1024, seed=0)
-    params = SamplingParams(max_tokens=32, temperature=0.0, extra_args=ctx.extra_args())
-    [out] = llm.chat([{"role": "user", "content": PROMPT}], params, use_tqdm=False)
-    return out.outputs[0].text, len(out.prompt_token_ids)
+
+def _environment(secret: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env[HS256_KEY_ENV] = secret
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def _model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from engine.demo_model import default_model_dir, ensure_demo_model
+
+    if not (default_model_dir() / ".complete").exists():
+        _say(f"building the demo model in {default_model_dir()} (once, about 10 s) ...")
+    return str(ensure_demo_model())
+
+
+def _start_server(demo: Demo, model: str, tiers_path: str | None, env: dict[str, str]) -> bool:
+    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", model]
+    argv += ["--num-blocks", str(POOL_BLOCKS), "--port", str(demo.port)]
+    argv += ["--usage-db", f"sqlite:///{demo.ledger}", "--served-model-name", MODEL]
+    if tiers_path:
+        argv += ["--tiers", tiers_path]
+    _say(f"starting kvlease serve on {demo.url} ({POOL_BLOCKS} KV blocks; vLLM takes ~60 s here)")
+    proc = demo.spawn("server", argv, env)
+    started = last = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            log = (demo.run / "server.log").read_text()[-3000:]
+            print(
+                f"kvlease demo: the server exited with {proc.returncode}:\n{log}", file=sys.stderr
+            )
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{demo.url}/health", timeout=2).status_code == 200:
+                _say(f"engine ready after {time.monotonic() - started:.0f} s")
+                return True
+        if time.monotonic() - last >= 10:
+            last = time.monotonic()
+            _say(f"  engine starting ... {last - started:.0f} s")
+        time.sleep(0.5)
+
+
+def _start_prometheus(demo: Demo, port: int, env: dict[str, str]) -> str | None:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        _say("Prometheus not installed (apt-get install prometheus): skipping it")
+        return None
+    config = write_config(demo.run / "prometheus", [f"127.0.0.1:{demo.port}"], "2s")
+    argv = [binary, f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}"]
+    argv.append(f"--storage.tsdb.path={demo.run / 'prometheus' / 'data'}")
+    demo.spawn("prometheus", argv, env)
+    return f"http://127.0.0.1:{port}"
+
+
+def _start_dashboard(
+    demo: Demo, port: int, prom_url: str | None, token: str, env: dict[str, str]
+) -> str:
+    from dashboard.launch import command, environment
+
+    dash_env = {**env, **environment(demo.url, prom_url, f"sqlite:///{demo.ledger}", token)}
+    demo.spawn("dashboard", command(port), dash_env)
+    return f"http://127.0.0.1:{port}"
+
+
+def _banner(demo, keyring, tiers, dash_url, prom_url) -> None:
+    token = _token(keyring, tiers, "premium-00", "premium", session="my-chat")
+    month = time.strftime("%Y-%m")
+    lines = [
+        "",
+        "kvlease demo is running. Ctrl-C stops everything.",
+        f"  dashboard   {dash_url or '(off: --no-dashboard)'}",
+        f"  API         {demo.url}/v1  (OpenAI-compatible; model {MODEL!r})",
+        f"  metrics     {demo.url}/metrics",
+        f"  Prometheus  {prom_url or '(not installed)'}",
+        f"  ledger      {demo.ledger}",
+        "",
+        "  a premium tenant's token for this run:",
+        f"    export TOKEN={token}",
+        f'    curl {demo.url}/v1/chat/completions -H "Authorization: Bearer $TOKEN" \\',
+        f'      -H \'Content-Type: application/json\' -d \'{{"model": "{MODEL}", '
+        '"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20}\'',
+        f"    python -c \"import openai; c = openai.OpenAI(base_url='{demo.url}/v1', "
+        f"api_key='$TOKEN'); print(c.chat.completions.create(model='{MODEL}', "
+        "messages=[{'role': 'user', 'content': 'Hi'}], max_tokens=20).choices[0].message)\"",
+        "  this month's usage as FOCUS CSV:",
+        f"    kvlease usage export --usage-db sqlite:///{demo.ledger} --from {month}-01 "
+        "--granularity day -o usage.csv",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _drive(demo, spec, keyring, tiers, duration) -> LoadStats:
+    names = dict(tenant_names(spec))
+    counts = " · ".join(f"{n} {t}" for t, n in zip(TIERS, spec.tenants, strict=True))
+    _say(f"traffic: {len(names)} tenants ({counts}), chat sessions of ~4 turns")
+    stats = LoadStats()
+
+    def token_for(turn) -> str:
+        return _token(keyring, tiers, turn.tenant_id, turn.tier, session=turn.session_id)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        player = asyncio.create_task(
+            play(stream_sessions(spec), f"{demo.url}/v1", token_for, MODEL, stats, stop)
+        )
+        ticker = asyncio.create_task(_ticker(demo, stats, names))
+        try:
+            if duration:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(player), duration)
+            else:
+                await player
+        finally:
+            stop.set()
+            ticker.cancel()
+            await asyncio.gather(player, ticker, return_exceptions=True)
+            print(flush=True)
+
+    asyncio.run(main())
+    return stats
+
+
+async def _ticker(demo: Demo, stats: LoadStats, names: dict[str, str]) -> None:
+    """The live line: requests, tokens/s and preemptions by tier (from /metrics)."""
+    tty = sys.stdout.isatty()
+    preempted: Counter[str] = Counter()
+    async with httpx.AsyncClient(timeout=5) as client:
+        n = 0
+        while True:
+            await asyncio.sleep(1)
+            n += 1
+            if n % 2 == 0:
+                with contextlib.suppress(httpx.HTTPError):
+                    text = (await client.get(f"{demo.url}/metrics")).text
+                    preempted = _preemptions(text)
+            line = _live_line(stats, preempted)
+            if tty:
+                print(f"\r{line}\033[K", end="", flush=True)
+            elif n % 10 == 0:
+                print(line, flush=True)
+
+
+def _live_line(stats: LoadStats, preempted: Counter[str]) -> str:
+    elapsed = time.monotonic() - stats.started
+    reqs = " ".join(f"{t[0].upper()}{stats.requests[t]}" for t in TIERS)
+    pre = " ".join(f"{t[0].upper()}{preempted[t]}" for t in TIERS)
+    errors = sum(stats.errors.values())
+    rejected = sum(stats.rejected.values())
+    return (
+        f"[{elapsed:4.0f} s] requests {stats.total_requests} ({reqs}) · "
+        f"{stats.tokens_per_second():,.0f} tok/s · preemptions {pre}"
+        + (f" · rejected {rejected} (tier cap)" if rejected else "")
+        + (f" · errors {errors}" if errors else "")
+    )
+
+
+def _families(text: str) -> dict[str, list]:
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def _preemptions(text: str) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for s in _families(text).get("vllm_tenant_preemptions", []):
+        if s.name.endswith("_total"):
+            out[s.labels["tier"]] += int(s.value)
+    return out
+
+
+def _scrape(demo: Demo) -> str:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{demo.url}/metrics", timeout=5).text
+    return ""
+
+
+def _summary(
+    demo: Demo, spec, tiers: TierTable, stats: LoadStats | None, metrics: str, since: float
+) -> None:
+    from exporters.billing import record_cost
+    from exporters.usage import UsageLedger
+
+    tier_of = dict(tenant_names(spec))
+    preempted = _preemptions(metrics) if metrics else Counter()
+    tokens: dict[str, Counter[str]] = {t: Counter() for t in TIERS}
+    for s in _families(metrics).get("vllm_tenant_tokens", []) if metrics else []:
+        tier = tier_of.get(s.labels["tenant_id"])
+        if tier and s.name.endswith("_total"):
+            tokens[tier][s.labels["kind"]] += int(s.value)
+    records = []
+    if demo.ledger.exists():
+        records = list(UsageLedger(f"sqlite:///{demo.ledger}").read(since, 4e9))
+    cost: Counter = Counter()
+    by_tier: Counter[str] = Counter()
+    for r in records:
+        cost[r.tenant_id] += record_cost(r, tiers)
+        by_tier[r.tier or "unclassified"] += 1
+
+    print("\nkvlease demo summary")
+    header = ("requests", "rejected", "errors", "TTFT p50", "preemptions", "prefix hits")
+    print(f"{'tier':<10}" + "".join(f"{h:>13}" for h in header))
+    for t in TIERS:
+        done = stats.requests[t] if stats else by_tier[t]
+        errors = stats.errors[t] if stats else 0
+        rejected = stats.rejected[t] if stats else 0
+        ttft = sorted(stats.ttft[t]) if stats else []
+        p50 = f"{ttft[len(ttft) // 2]:.2f} s" if ttft else "-"
+        hit = tokens[t]["cached_input"] / tokens[t]["input"] if tokens[t]["input"] else 0.0
+        cells = (done, rejected, errors, p50, preempted[t], f"{hit:.0%}")
+        print(f"{t:<10}" + "".join(f"{c:>13}" for c in cells))
+    top = sorted(cost.items(), key=lambda kv: (-kv[1], kv[0]))[:12]
+    print(f"cost per tenant ({tiers.currency}, from the ledger): ", end="")
+    print(" · ".join(f"{tenant} {value:.4f}" for tenant, value in top) or "none")
+    print(f"ledger: {demo.ledger} ({len(records)} records from this run)")
+    if stats and stats.last_errors:
+        print("last errors:", *stats.last_errors, sep="\n  ")
+
+
+def _say(message: str) -> None:
+    print(f"kvlease demo: {message}", flush=True)

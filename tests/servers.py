@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from engine.auth import KeyRing, mint_token
+from engine.prometheus import config_text
 from engine.tenancy import TierTable
 
 
@@ -134,13 +135,7 @@ def prometheus(targets: list[str], folder: Path, interval: str = "1s", rules: Pa
 
     port = free_port()
     config = folder / "prometheus.yml"
-    config.write_text(
-        f"global: {{scrape_interval: {interval}, evaluation_interval: {interval}}}\n"
-        + (f"rule_files: [{str(rules)!r}]\n" if rules else "")
-        + "scrape_configs:\n"
-        "  - job_name: kvlease\n"
-        f"    static_configs: [{{targets: {targets!r}}}]\n"
-    )
+    config.write_text(config_text(targets, interval, rules))
     proc = subprocess.Popen(
         [
             shutil.which("prometheus") or "prometheus",

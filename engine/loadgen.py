@@ -1,0 +1,166 @@
+"""Plays a workload trace against a kvlease server through the stock `openai` client.
+
+Each session is one asyncio task with its own token (tenant, tier and session
+are claims of the JWT, as in production): it waits for each turn's time,
+sends the conversation so far plus the new user message, streams the reply,
+and keeps it in the history, so the next turn shares a prefix with this one.
+Replies are exactly `output_tokens` long (`ignore_eos`). `LoadStats` counts
+what the clients saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import openai
+
+from engine.workload import TIERS, Turn
+
+VOCABULARY = (
+    "cache block lease tenant prefix engine token stream reply session tier premium "
+    "standard free pool evict preempt schedule batch prompt model answer question"
+)
+WORDS = tuple(VOCABULARY.split())
+
+TokenFor = Callable[[Turn], str]  # a session's JWT
+
+
+@dataclass
+class LoadStats:
+    """What the clients saw, by tier. Updated from one event loop: no lock needed."""
+
+    started: float = field(default_factory=time.monotonic)
+    requests: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)  # 429: the tier's in-flight cap
+    errors: Counter[str] = field(default_factory=Counter)
+    output_tokens: Counter[str] = field(default_factory=Counter)
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TIERS})
+    last_errors: list[str] = field(default_factory=list)
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    def tokens_per_second(self) -> float:
+        elapsed = max(1e-6, time.monotonic() - self.started)
+        return sum(self.output_tokens.values()) / elapsed
+
+
+TOKENS_PER_WORD = 2.5  # the demo model's tokenizer on WORDS; near enough for others
+
+
+def prompt(turn: Turn, seed: int = 0) -> str:
+    """About `input_tokens` tokens of text for a turn (words of the demo vocabulary)."""
+    rng = random.Random(f"{seed}:{turn.session_id}:{turn.turn}")
+    words = [rng.choice(WORDS) for _ in range(max(1, round(turn.input_tokens / TOKENS_PER_WORD)))]
+    return f"{turn.tenant_id}: " + " ".join(words)
+
+
+async def play(
+    sessions: Iterable[list[Turn]],
+    base_url: str,
+    token_for: TokenFor,
+    model: str,
+    stats: LoadStats,
+    stop: asyncio.Event,
+    max_context: int = 1400,
+) -> None:
+    """Run each session (in order of its first turn) from its start time, until the
+    sessions run out or `stop` is set. Only started sessions hold a task. A session
+    ends early once its conversation would pass `max_context` tokens (the server's
+    context length), as a chat app would start a new one."""
+    start = time.monotonic()
+    tasks: set[asyncio.Task] = set()
+    try:
+        for session in sessions:
+            if await _sleep_until(start + session[0].at, stop):
+                break
+            task = asyncio.create_task(
+                _session(
+                    session, base_url, token_for(session[0]), model, stats, stop, start, max_context
+                )
+            )
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _sleep_until(deadline: float, stop: asyncio.Event) -> bool:
+    """Wait until `deadline` (monotonic); True if `stop` was set meanwhile."""
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+    return stop.is_set()
+
+
+async def _session(
+    turns: list[Turn],
+    base_url: str,
+    token: str,
+    model: str,
+    stats: LoadStats,
+    stop: asyncio.Event,
+    start: float,
+    max_context: int,
+) -> None:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=300)
+    history: list[dict[str, str]] = []
+    context = 0  # tokens the conversation holds, as the trace counts them
+    try:
+        for turn in turns:
+            context += turn.input_tokens + turn.output_tokens
+            if context > max_context or await _sleep_until(start + turn.at, stop):
+                return
+            history.append({"role": "user", "content": prompt(turn)})
+            reply = await _ask(client, model, history, turn, stats)
+            if reply is None:
+                return  # the session gives up after an error, as a user would
+            # The whole conversation goes with the next turn: its prefix is this one's.
+            history.append({"role": "assistant", "content": reply})
+    finally:
+        await client.close()
+
+
+async def _ask(client, model, history, turn: Turn, stats: LoadStats) -> str | None:
+    sent = time.monotonic()
+    first = None
+    parts: list[str] = []
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=history,
+            max_tokens=turn.output_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.monotonic() - sent
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                stats.output_tokens[turn.tier] += chunk.usage.completion_tokens
+    except openai.RateLimitError:
+        stats.rejected[turn.tier] += 1
+        return None
+    except openai.APIError as err:
+        stats.errors[turn.tier] += 1
+        stats.last_errors = [*stats.last_errors[-4:], f"{turn.tenant_id}: {err}"]
+        return None
+    stats.requests[turn.tier] += 1
+    if first is not None:
+        stats.ttft[turn.tier].append(first)
+    return "".join(parts)

@@ -1,0 +1,101 @@
+"""`kvlease demo --duration 60 --no-dashboard`, as CI runs it: a fresh KVLEASE_HOME (the
+demo model gets built), a real server, Prometheus and a minute of tenants' traffic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from servers import free_port
+
+from exporters.usage import UsageLedger
+
+pytestmark = pytest.mark.engine
+
+
+def _processes_of(home: Path) -> list[int]:
+    """Processes whose environment names this KVLEASE_HOME: the demo's children inherit it."""
+    marker = f"KVLEASE_HOME={home}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in env:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _preemptions_by_tier(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm_tenant_preemptions":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["tier"]] = out.get(s.labels["tier"], 0) + s.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    home = tmp_path_factory.mktemp("demo-home")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
+    env["KVLEASE_HOME"] = str(home)
+    out = (home / "demo.out").open("w")
+    argv = [sys.executable, "-m", "engine.cli", "demo", "--duration", "60", "--no-dashboard"]
+    argv += ["--port", str(port), "--prometheus-port", str(free_port())]
+    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    last_metrics = ""
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+            if r.status_code == 200:
+                last_metrics = r.text
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    if proc.poll() is None:
+        proc.kill()
+    out.close()
+    return home, proc.wait(), (home / "demo.out").read_text(), last_metrics
+
+
+def test_demo_exits_cleanly_after_its_duration(demo_run):
+    home, code, output, _ = demo_run
+    assert code == 0, output[-3000:]
+    assert "building the demo model" in output
+    assert "kvlease demo is running" in output and "kvlease demo summary" in output
+    assert (home / "models").is_dir()
+
+
+def test_ledger_has_records_for_all_three_tiers(demo_run):
+    home, _, output, _ = demo_run
+    records = list(UsageLedger(f"sqlite:///{home / 'demo' / 'usage.db'}").read(0, 4e9))
+    assert {"premium", "standard", "free"} <= {r.tier for r in records}
+    assert f"({len(records)} records from this run)" in output
+
+
+def test_metrics_showed_free_tier_preempted_and_premium_never(demo_run):
+    _, _, output, metrics = demo_run
+    preempted = _preemptions_by_tier(metrics)
+    assert preempted.get("free", 0) > 0, output[-2000:]
+    assert preempted.get("premium", 0) == 0
+
+
+def test_no_process_is_left_behind(demo_run):
+    home = demo_run[0]
+    deadline = time.monotonic() + 10
+    while _processes_of(home) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_of(home) == []
