@@ -118,6 +118,7 @@ def run_demo(
     secret = secrets.token_urlsafe(48)  # this run only: in memory and the children's env
     keyring = KeyRing.from_secret(secret)
     env = _environment(secret)
+    _interrupt_on_signals()
     try:
         model = _model(model)
         if not _start_server(demo, model, tiers_path, env):
@@ -143,6 +144,17 @@ def run_demo(
                     os.killpg(proc.pid, signal.SIGKILL)
     _summary(demo, spec, tiers, stats, final, started)
     return 0
+
+
+def _interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM both take the orderly way out (stop everything, then the
+    summary), also when started from a shell that ignores SIGINT for background jobs."""
+
+    def interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _token(keyring, tiers, tenant: str, tier: str, session=None, roles=()) -> str:

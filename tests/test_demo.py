@@ -4,6 +4,7 @@ demo model gets built), a real server, Prometheus and a minute of tenants' traff
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -99,3 +100,28 @@ def test_no_process_is_left_behind(demo_run):
     while _processes_of(home) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _processes_of(home) == []
+
+
+def test_ctrl_c_stops_everything_and_still_prints_the_summary(tmp_path):
+    """SIGINT once traffic flows: the orderly way out, whatever the shell did to SIGINT."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
+    env["KVLEASE_HOME"] = str(tmp_path)
+    log = tmp_path / "demo.out"
+    argv = [sys.executable, "-m", "engine.cli", "demo", "--no-dashboard"]
+    argv += ["--port", str(free_port()), "--prometheus-port", str(free_port())]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while "traffic:" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        time.sleep(5)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(120)
+    output = log.read_text()
+    assert code == 0, output[-3000:]
+    assert "interrupted" in output and "kvlease demo summary" in output
+    deadline = time.monotonic() + 10
+    while _processes_of(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_of(tmp_path) == []
