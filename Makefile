@@ -15,7 +15,7 @@ DEB_PACKAGES := prometheus postgresql chromium
 DEMO_DEB_PACKAGES := prometheus
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: demo test lint venv deb
+.PHONY: demo test bench lint venv deb
 
 demo: $(STAMP)
 	-@$(MAKE) --no-print-directory deb DEB_PACKAGES="$(DEMO_DEB_PACKAGES)"
@@ -24,6 +24,14 @@ demo: $(STAMP)
 test: $(STAMP) deb
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+# Benchmarks against stock vLLM (bench/): results, tables and plots in bench/results/.
+# `make bench BENCH_ARGS=--quick` is the smoke run CI does through tests/test_bench.py.
+bench: $(STAMP)
+	$(PY) -m bench.policy $(BENCH_ARGS)
+	$(PY) -m bench.overhead $(BENCH_ARGS)
+	$(PY) -m bench.soak $(BENCH_ARGS)
+	$(PY) -m bench.ledger $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

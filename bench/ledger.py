@@ -1,21 +1,18 @@
 """Ledger benchmark: ingest rate and FOCUS export memory at 1,000,000 records.
 
-    python bench/ledger.py                    # 1,000,000 records on a temporary SQLite ledger
-    python bench/ledger.py --quick            # 20,000 records (smoke test)
-    python bench/ledger.py --url postgresql://...
+    python -m bench.ledger                    # 1,000,000 records on a temporary SQLite ledger
+    python -m bench.ledger --quick            # 20,000 records (smoke test)
+    python -m bench.ledger --url postgresql://...
 
 Ingest goes through UsageLedger.write in batches of 512, as the server's
 writer thread commits them; the export streams FOCUS rows (day granularity)
 to a file while tracemalloc records the peak Python heap, which must not grow
-with the number of records. Results go to bench/results/ledger.json.
+with the number of records. Results: bench/results/ledger.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import resource
 import sys
@@ -24,6 +21,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from bench import report
 from engine.tenancy import TierTable
 from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows
 from exporters.usage import UsageLedger, UsageRecord
@@ -62,7 +60,7 @@ def main() -> int:
     parser.add_argument("--tenants", type=int, default=1_000)
     parser.add_argument("--quick", action="store_true", help="20,000 records")
     parser.add_argument("--url", default=None, help="ledger URL (default: temporary SQLite)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ledger.json"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     n = 20_000 if args.quick else args.records
     workdir = Path(tempfile.mkdtemp(prefix="kvlease-bench-"))
@@ -99,16 +97,15 @@ def main() -> int:
         "export_rows": rows - 1,
         "export_peak_python_heap_mb": round(peak / 2**20, 2),
         "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}",
+        "machine": report.machine(),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    print(
+    table = (
+        "| records | backend | ingest | FOCUS export | peak Python heap |\n|---|---|---|---|---|\n"
         f"| {n:,} | {result['backend']} | {result['ingest_records_per_s']:,}/s "
-        f"| {export_s:.1f} s for {rows - 1:,} rows | {result['export_peak_python_heap_mb']} MB |"
+        f"| {export_s:.1f} s for {rows - 1:,} rows | {result['export_peak_python_heap_mb']} MB |\n"
     )
+    report.write(args.out, "ledger-quick" if args.quick else "ledger", result, table)
+    print(table)
     return 0
 
 

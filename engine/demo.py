@@ -117,14 +117,14 @@ def run_demo(
     started = time.time()  # the ledger outlives runs: the summary counts this one's records
     secret = secrets.token_urlsafe(48)  # this run only: in memory and the children's env
     keyring = KeyRing.from_secret(secret)
-    env = _environment(secret)
+    env = server_environment(secret)
     _interrupt_on_signals()
     try:
-        model = _model(model)
-        if not _start_server(demo, model, tiers_path, env):
+        model = resolve_model(model)
+        if not start_server(demo, model, tiers_path, env):
             return 1
         prom_url = _start_prometheus(demo, prometheus_port, env)
-        admin = _token(keyring, tiers, "demo-admin", "premium", roles=("admin", "finance"))
+        admin = session_token(keyring, tiers, "demo-admin", "premium", roles=("admin", "finance"))
         dash_url = (
             _start_dashboard(demo, dashboard_port, prom_url, admin, env) if dashboard else None
         )
@@ -157,7 +157,7 @@ def _interrupt_on_signals() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def _token(keyring, tiers, tenant: str, tier: str, session=None, roles=()) -> str:
+def session_token(keyring, tiers, tenant: str, tier: str, session=None, roles=()) -> str:
     return mint_token(
         keyring,
         tiers,
@@ -169,7 +169,7 @@ def _token(keyring, tiers, tenant: str, tier: str, session=None, roles=()) -> st
     )
 
 
-def _environment(secret: str) -> dict[str, str]:
+def server_environment(secret: str) -> dict[str, str]:
     env = dict(os.environ)
     env[HS256_KEY_ENV] = secret
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -177,7 +177,8 @@ def _environment(secret: str) -> dict[str, str]:
     return env
 
 
-def _model(model: str | None) -> str:
+def resolve_model(model: str | None) -> str:
+    """`model` if given, else the demo model, built on first use."""
     if model is not None:
         return model
     from engine.demo_model import default_model_dir, ensure_demo_model
@@ -187,13 +188,21 @@ def _model(model: str | None) -> str:
     return str(ensure_demo_model())
 
 
-def _start_server(demo: Demo, model: str, tiers_path: str | None, env: dict[str, str]) -> bool:
+def start_server(
+    demo: Demo,
+    model: str,
+    tiers_path: str | None,
+    env: dict[str, str],
+    num_blocks: int = POOL_BLOCKS,
+) -> bool:
+    """`kvlease serve` in its own process group, its ledger in the run folder; False (and
+    the end of its log on stderr) if it exits before /health answers."""
     argv = [sys.executable, "-m", "engine.cli", "serve", "--model", model]
-    argv += ["--num-blocks", str(POOL_BLOCKS), "--port", str(demo.port)]
+    argv += ["--num-blocks", str(num_blocks), "--port", str(demo.port)]
     argv += ["--usage-db", f"sqlite:///{demo.ledger}", "--served-model-name", MODEL]
     if tiers_path:
         argv += ["--tiers", tiers_path]
-    _say(f"starting kvlease serve on {demo.url} ({POOL_BLOCKS} KV blocks; vLLM takes ~60 s here)")
+    _say(f"starting kvlease serve on {demo.url} ({num_blocks} KV blocks; vLLM takes ~60 s here)")
     proc = demo.spawn("server", argv, env)
     started = last = time.monotonic()
     while True:
@@ -236,7 +245,7 @@ def _start_dashboard(
 
 
 def _banner(demo, keyring, tiers, dash_url, prom_url) -> None:
-    token = _token(keyring, tiers, "premium-00", "premium", session="my-chat")
+    token = session_token(keyring, tiers, "premium-00", "premium", session="my-chat")
     month = time.strftime("%Y-%m")
     lines = [
         "",
@@ -270,7 +279,7 @@ def _drive(demo, spec, keyring, tiers, duration) -> LoadStats:
     stats = LoadStats()
 
     def token_for(turn) -> str:
-        return _token(keyring, tiers, turn.tenant_id, turn.tier, session=turn.session_id)
+        return session_token(keyring, tiers, turn.tenant_id, turn.tier, session=turn.session_id)
 
     async def main() -> None:
         stop = asyncio.Event()

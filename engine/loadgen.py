@@ -41,6 +41,7 @@ class LoadStats:
     errors: Counter[str] = field(default_factory=Counter)
     output_tokens: Counter[str] = field(default_factory=Counter)
     ttft: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TIERS})
+    latency: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TIERS})
     last_errors: list[str] = field(default_factory=list)
 
     @property
@@ -124,7 +125,7 @@ async def _session(
             if context > max_context or await _sleep_until(start + turn.at, stop):
                 return
             history.append({"role": "user", "content": prompt(turn)})
-            reply = await _ask(client, model, history, turn, stats)
+            reply = await ask(client, model, history, turn, stats)
             if reply is None:
                 return  # the session gives up after an error, as a user would
             # The whole conversation goes with the next turn: its prefix is this one's.
@@ -133,7 +134,8 @@ async def _session(
         await client.close()
 
 
-async def _ask(client, model, history, turn: Turn, stats: LoadStats) -> str | None:
+async def ask(client, model, history, turn: Turn, stats: LoadStats) -> str | None:
+    """Stream one chat turn; the reply's text, or None after a refusal or an error."""
     sent = time.monotonic()
     first = None
     parts: list[str] = []
@@ -161,6 +163,7 @@ async def _ask(client, model, history, turn: Turn, stats: LoadStats) -> str | No
         stats.last_errors = [*stats.last_errors[-4:], f"{turn.tenant_id}: {err}"]
         return None
     stats.requests[turn.tier] += 1
+    stats.latency[turn.tier].append(time.monotonic() - sent)
     if first is not None:
         stats.ttft[turn.tier].append(first)
     return "".join(parts)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from clocks import ManualClock, OffsetClock
 from engines import recording
-from synthetic import make_request, make_scheduler, step
 
+from bench.synthetic import make_request, make_scheduler, step
 from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
 
 TIERS = ("premium", "standard", "free")

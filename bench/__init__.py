@@ -1,0 +1,1 @@
+"""Benchmarks: kvlease against stock vLLM on this machine (`make bench`)."""

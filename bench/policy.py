@@ -1,0 +1,562 @@
+"""Policy benchmark: one multi-tenant trace through the real vLLM engine, four ways.
+
+    python -m bench.policy            # the 60 s trace (bench/workload.py), ~8 min here
+    python -m bench.policy --quick    # a 12 s trace: the CI smoke test, ~1.5 min
+    python -m bench.policy --trace FILE [--pool-blocks N] [--steps-per-second S]
+
+Each way is a real in-process vLLM engine (the demo model, a 64-block pool so
+the trace must preempt), started once in this process:
+  alone     premium's requests only, on the kvlease engine (the idle reference)
+  fcfs      stock vLLM Scheduler, FCFS
+  priority  stock vLLM Scheduler, PRIORITY with priority = tier (the baseline to beat)
+  kvlease   TenantAwareScheduler (victim rule `lru`), metrics, tracing and ledger on
+plus `least-work`, kvlease with the `least_work` victim rule, and
+`kvlease-quiet`, kvlease with all telemetry off, for the cost of telemetry
+(played alternately with `kvlease`, `--repeats` times each). An in-process
+engine with the demo model starts in a few seconds.
+
+Two clocks. Requests arrive at fixed engine steps (bench/workload.StepTrace)
+and kvlease's lease clock follows the steps (`--steps-per-second`), so step
+figures are deterministic; each step's wall time is recorded as well. A thin
+subclass of each scheduler counts what was computed and who was preempted; it
+changes no decision. Results: bench/results/policy.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.workload import Arrival, StepTrace, load
+from engine.tenancy import TenantContext, TierTable
+from engine.workload import TIERS, Turn
+
+POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = (POOL_BLOCKS - 1) * BLOCK_SIZE
+MAX_CONTEXT = 1400  # a session ends before its context passes this, as in the demo
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Observations:
+    """What the observing subclass saw: tokens computed per request, and each preemption."""
+
+    computed: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    preemptions: list[tuple[str, str | None, int, bool]] = field(default_factory=list)
+    steps: int = 0
+
+
+def observed(cls: type) -> type:
+    """`cls` plus counting: tokens scheduled per request and each victim. Decides nothing."""
+    rank = {tier: i for i, tier in enumerate(TIERS)}
+
+    class Observed(cls):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.bench = Observations()
+
+        def schedule(self, *args: Any, **kwargs: Any):
+            out = super().schedule(*args, **kwargs)
+            self.bench.steps += 1
+            for rid, n in out.num_scheduled_tokens.items():
+                self.bench.computed[_external(rid)] += n
+            return out
+
+        def _preempt_request(self, request, *args: Any, **kwargs: Any):
+            tier = _tier(request)
+            lower = any(rank.get(_tier(r), 9) > rank.get(tier, 9) for r in self.running)
+            self.bench.preemptions.append(
+                (_external(request.request_id), tier, request.num_computed_tokens, lower)
+            )
+            return super()._preempt_request(request, *args, **kwargs)
+
+    Observed.__name__ = f"Observed{cls.__name__}"
+    return Observed
+
+
+def _external(request_id: str) -> str:
+    """The id given to `add_request`: vLLM appends "-" and 8 random characters."""
+    return request_id.rsplit("-", 1)[0]
+
+
+def _tier(request: Any) -> str | None:
+    return (request.sampling_params.extra_args or {}).get("tier")
+
+
+@dataclass
+class Engine:
+    name: str
+    llm: Any  # vllm.v1.engine.llm_engine.LLMEngine, in-process
+    telemetry: Telemetry | None = None
+
+    @property
+    def scheduler(self) -> Any:
+        return self.llm.engine_core.engine_core.scheduler
+
+
+def start_engine(
+    name: str, model: str, scheduler_cls: type, policy: str, pool: int, kvlease=None, **kw: Any
+) -> Engine:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    started = time.perf_counter()
+    args = EngineArgs(
+        model=model,
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=min(MAX_MODEL_LEN, (pool - 1) * BLOCK_SIZE),
+        num_gpu_blocks_override=pool,
+        enable_prefix_caching=True,
+        seed=0,
+        scheduler_cls=observed(scheduler_cls),
+        scheduling_policy=policy,
+        disable_log_stats=kw.pop("disable_log_stats", True),
+        additional_config={"kvlease": kvlease or {}},
+    )
+    llm = LLMEngine.from_engine_args(args, **kw)
+    print(f"  engine {name}: ready in {time.perf_counter() - started:.0f} s", flush=True)
+    return Engine(name, llm)
+
+
+class Telemetry:
+    """kvlease's API-process telemetry, in this process: what `kvlease serve` runs.
+
+    The scheduler publishes over the ZeroMQ channel to the engine view; the
+    stat-logger plugin feeds metrics, the request join, OTLP spans (to a local
+    HTTP sink) and a SQLite usage ledger; a thread renders /metrics every second
+    as a Prometheus scrape would. Each request gets the InFlight entry that
+    TenantMiddleware would give it, under a `kvl-` id.
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        from exporters.channel import ADDRESS_ENV, new_address
+
+        self.sink = _OtlpSink()
+        self.db = workdir / "usage.db"
+        os.environ[ADDRESS_ENV] = new_address()
+        os.environ["KVLEASE_USAGE_DB"] = f"sqlite:///{self.db}"
+        os.environ["KVLEASE_OTEL"] = "1"
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"{self.sink.url}/v1/traces"
+        from exporters.engine_view import VIEW
+
+        VIEW.start()
+        self.scrapes = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._scrape, name="bench-scrape", daemon=True).start()
+
+    @staticmethod
+    def stat_loggers() -> list:
+        from exporters.stats import KvleaseStatLogger
+
+        return [KvleaseStatLogger]
+
+    def engine_started(self) -> None:
+        """Only the telemetry engine publishes: later engines find no channel address."""
+        from exporters.channel import ADDRESS_ENV
+
+        del os.environ[ADDRESS_ENV]
+
+    def request_id(self, turn: Turn) -> str:
+        from engine.server import IN_FLIGHT, InFlight
+
+        rid = f"kvl-{uuid.uuid4().hex}"
+        ctx = TenantContext(turn.tenant_id, turn.tier, session_id=turn.session_id)
+        IN_FLIGHT[rid] = InFlight(ctx, "/v1/completions", time.time_ns(), None, "kvlease-demo")
+        return rid
+
+    def request_done(self, rid: str) -> None:
+        from engine.server import IN_FLIGHT
+
+        IN_FLIGHT.pop(rid, None)
+
+    def close(self) -> int:
+        """Flush spans and usage records as `kvlease serve` does on exit; the ledger's count."""
+        from exporters import ledger, tracing
+        from exporters.engine_view import VIEW
+        from exporters.requests import JOIN
+        from exporters.usage import UsageLedger
+
+        self._stop.set()
+        time.sleep(0.5)  # let the channel deliver the engine's last events
+        VIEW.stop()
+        JOIN.flush()
+        ledger.shutdown()
+        tracing.shutdown()
+        return UsageLedger(f"sqlite:///{self.db}").count()
+
+    def _scrape(self) -> None:
+        from prometheus_client import REGISTRY, generate_latest
+
+        while not self._stop.wait(1.0):
+            generate_latest(REGISTRY)
+            self.scrapes += 1
+
+
+class _OtlpSink:
+    """Accepts OTLP/HTTP span exports and counts them: a collector that keeps nothing."""
+
+    def __init__(self) -> None:
+        sink = self
+        self.exports = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                sink.exports += 1
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@dataclass
+class Request:
+    arrival: Arrival
+    first_step: int | None = None
+    first_s: float | None = None
+    finish_step: int | None = None
+    finish_s: float | None = None
+    arrival_s: float = 0.0
+    output: list[int] = field(default_factory=list)
+    cached: int = 0
+
+
+@dataclass
+class Run:
+    way: str
+    requests: list[Request]
+    observations: Observations
+    busy_steps: int
+    wall_seconds: float
+    dropped: int
+    telemetry: dict[str, int] = field(default_factory=dict)
+
+
+def play(
+    engine: Engine, turns: list[Turn], way: str, steps_per_second: float, tiers: TierTable
+) -> Run:
+    """Replay `turns` on `engine` step by step; idle stretches are skipped, not stepped."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm, scheduler, telemetry = engine.llm, engine.scheduler, engine.telemetry
+    run = f"{way}{uuid.uuid4().hex[:6]}"
+    vocab = llm.model_config.get_vocab_size()
+    trace = StepTrace(turns, steps_per_second, vocab, MAX_CONTEXT, run)
+    scheduler.bench = Observations()
+    llm.reset_prefix_cache()
+    step = 0
+    if hasattr(scheduler, "leases"):  # kvlease's lease clock follows the steps of this run
+        origin = time.monotonic() + 10_000.0 * (1 + _runs(scheduler))  # past every older lease
+        scheduler.clock = lambda: origin + step / steps_per_second
+    live: dict[str, Request] = {}
+    done: list[Request] = []
+    busy_wall = 0.0
+    while not trace.done:
+        for arrival in trace.due(step):
+            turn = arrival.turn
+            if telemetry is not None:
+                arrival.request_id = telemetry.request_id(turn)
+            params = SamplingParams(
+                max_tokens=turn.output_tokens,
+                ignore_eos=True,
+                temperature=0.0,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args={
+                    "tenant_id": turn.tenant_id,
+                    "tier": turn.tier,
+                    "session_id": turn.session_id,
+                },
+            )
+            prompt = {"prompt_token_ids": arrival.prompt, "cache_salt": f"{run}-{turn.tenant_id}"}
+            live[arrival.request_id] = Request(arrival, arrival_s=busy_wall)
+            llm.add_request(arrival.request_id, prompt, params, priority=tiers[turn.tier].priority)
+        if not llm.has_unfinished_requests():
+            nxt = trace.next_step()
+            step = nxt if nxt is not None else step + 1
+            continue
+        began = time.perf_counter()
+        outputs = llm.step()
+        busy_wall += time.perf_counter() - began
+        for out in outputs:
+            req = live[out.request_id]
+            tokens = out.outputs[0].token_ids if out.outputs else []
+            if tokens and req.first_step is None:
+                req.first_step, req.first_s = step, busy_wall
+            req.output.extend(tokens)
+            if out.finished:
+                req.finish_step, req.finish_s = step, busy_wall
+                req.cached = out.num_cached_tokens or 0
+                done.append(live.pop(out.request_id))
+                trace.finished(req.arrival, req.output, step)
+                if telemetry is not None:
+                    telemetry.request_done(out.request_id)
+        step += 1
+    while scheduler.has_requests():  # hand vLLM's last finished ids to the model runner
+        llm.step()
+    busy = scheduler.bench.steps
+    return Run(way, done, scheduler.bench, busy, busy_wall, trace.dropped)
+
+
+def _runs(scheduler: Any) -> int:
+    scheduler.bench_runs = getattr(scheduler, "bench_runs", 0) + 1
+    return scheduler.bench_runs
+
+
+def summarize(run: Run, tiers: TierTable) -> dict[str, Any]:
+    """Per tier: TTFT and TPOT on both clocks, preemptions, recomputed tokens, prefix hits."""
+    out: dict[str, Any] = {"tiers": {}}
+    preempted: dict[str, list] = defaultdict(list)
+    for rid, tier, tokens, lower in run.observations.preemptions:
+        preempted[tier or "none"].append((rid, tokens, lower))
+    output_tokens = 0
+    for tier in TIERS:
+        reqs = [r for r in run.requests if r.arrival.turn.tier == tier]
+        if not reqs:
+            continue
+        ttft_steps = [r.first_step - r.arrival.step for r in reqs]
+        ttft_s = [r.first_s - r.arrival_s for r in reqs]
+        tpot_steps = [
+            (r.finish_step - r.first_step) / (len(r.output) - 1) for r in reqs if len(r.output) > 1
+        ]
+        tpot_s = [(r.finish_s - r.first_s) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
+        recomputed = sum(_recomputed(r, run.observations) for r in reqs)
+        lease = tiers[tier].lease_seconds
+        leased = [r for r in reqs if r.arrival.turn.turn > 0 and r.arrival.think_seconds <= lease]
+        cacheable = sum(_cacheable(r) for r in leased)
+        lost_context = sum(_cacheable(r) - min(r.cached, _cacheable(r)) for r in reqs)
+        output_tokens += sum(len(r.output) for r in reqs)
+        out["tiers"][tier] = {
+            "requests": len(reqs),
+            "ttft_steps": report.stats(ttft_steps),
+            "ttft_seconds": report.stats(ttft_s),
+            "tpot_steps": report.mean(tpot_steps),
+            "tpot_ms": report.mean(tpot_s) * 1000,
+            "preemptions": len(preempted[tier]),
+            "preemptions_while_lower_tier_ran": sum(1 for p in preempted[tier] if p[2]),
+            "recomputed_tokens": recomputed,
+            "context_recomputed_tokens": lost_context,
+            "leased_next_turns": len(leased),
+            "leased_prefix_hit": (
+                sum(min(r.cached, _cacheable(r)) for r in leased) / cacheable if cacheable else None
+            ),
+        }
+    out.update(
+        requests=len(run.requests),
+        dropped_turns=run.dropped,
+        engine_steps=run.busy_steps,
+        wall_seconds=round(run.wall_seconds, 2),
+        output_tokens=output_tokens,
+        output_tokens_per_step=output_tokens / max(1, run.busy_steps),
+        output_tokens_per_second=output_tokens / max(1e-9, run.wall_seconds),
+        recomputed_tokens=sum(t["recomputed_tokens"] for t in out["tiers"].values()),
+        context_recomputed_tokens=sum(
+            t["context_recomputed_tokens"] for t in out["tiers"].values()
+        ),
+        **run.telemetry,
+    )
+    return out
+
+
+def _cacheable(r: Request) -> int:
+    """Tokens of the previous turn's context this request could find in the prefix cache:
+    whole blocks, without the reply's last token (never fed back, so never cached)."""
+    return max(0, r.arrival.prefix_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def _recomputed(r: Request, obs: Observations) -> int:
+    """Tokens computed beyond the minimum: prompt minus the prefix-cache hit, plus the
+    reply (its last token is never fed back). Zero for a request never preempted."""
+    needed = len(r.arrival.prompt) - r.cached + len(r.output) - 1
+    return obs.computed[r.arrival.request_id] - needed
+
+
+def targets(ways: dict[str, dict], quiet_tps: float, loud_tps: float) -> list[dict]:
+    """Issue 10's targets, each with what was measured against it."""
+    k, p, a = ways["kvlease"]["tiers"], ways["priority"]["tiers"], ways["alone"]["tiers"]
+    prem, free = k.get("premium", {}), k.get("free", {})
+    alone = a["premium"]["ttft_steps"]["mean"]
+    rows = [
+        ("Premium preemptions while a lower tier runs", "0",
+         prem.get("preemptions_while_lower_tier_ran"), lambda v: v == 0),
+        ("Premium TTFT (steps, mean) vs alone + 1", f"<= {alone + 1:.1f}",
+         prem["ttft_steps"]["mean"], lambda v: v <= alone + 1),
+        ("Premium TTFT (steps, mean) vs stock PRIORITY", "<= 0.25x",
+         prem["ttft_steps"]["mean"] / max(1e-9, p["premium"]["ttft_steps"]["mean"]),
+         lambda v: v <= 0.25),
+        ("Next-turn prefix hit, leased sessions", ">= 0.90",
+         _leased_hit(k), lambda v: v is not None and v >= 0.90),
+        ("Recomputed tokens vs stock PRIORITY", "<= 0.75x",
+         ways["kvlease"]["recomputed_tokens"] / max(1, ways["priority"]["recomputed_tokens"]),
+         lambda v: v <= 0.75),
+        ("Free worst TTFT (steps) vs stock PRIORITY", "<= 1.05x",
+         free["ttft_steps"]["max"] / max(1e-9, p["free"]["ttft_steps"]["max"]),
+         lambda v: v <= 1.05),
+        ("Engine steps for the trace vs stock PRIORITY", "<= 1.03x",
+         ways["kvlease"]["engine_steps"] / ways["priority"]["engine_steps"], lambda v: v <= 1.03),
+        ("Throughput, telemetry on / off (tok/s)", ">= 0.97",
+         loud_tps / quiet_tps, lambda v: v >= 0.97),
+    ]  # fmt: skip
+    return [
+        {"target": name, "wanted": wanted, "measured": value, "met": bool(ok(value))}
+        for name, wanted, value, ok in rows
+    ]
+
+
+def _leased_hit(tiers: dict) -> float | None:
+    hits = [(t["leased_prefix_hit"], t["leased_next_turns"]) for t in tiers.values()]
+    hits = [(h, n) for h, n in hits if h is not None and n]
+    return sum(h * n for h, n in hits) / sum(n for _, n in hits) if hits else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 12 s trace (smoke test)")
+    parser.add_argument("--trace", type=Path, help="replay a trace CSV instead")
+    parser.add_argument("--model", default=None, help="default: the demo model (built if missing)")
+    parser.add_argument("--steps-per-second", type=float, default=10.0)
+    parser.add_argument("--pool-blocks", type=int, default=POOL_BLOCKS)
+    parser.add_argument("--repeats", type=int, default=None, help="telemetry on/off pairs")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from engine.demo_model import ensure_demo_model
+    from engine.vllm_scheduler import TenantAwareScheduler
+
+    model = args.model or str(ensure_demo_model())
+    tiers = TierTable.load()
+    turns = load(args.quick, args.trace)
+    premium = [t for t in turns if t.tier == "premium"]
+    print(f"trace: {len(turns)} requests ({len(premium)} premium)", flush=True)
+    pool = args.pool_blocks
+    telemetry = Telemetry(Path(tempfile.mkdtemp(prefix="kvlease-bench-")))
+    loud = start_engine(
+        "kvlease", model, TenantAwareScheduler, "priority", pool,
+        stat_loggers=telemetry.stat_loggers(), disable_log_stats=False,
+    )  # fmt: skip
+    loud.telemetry = telemetry
+    telemetry.engine_started()
+    engines = {
+        "kvlease": loud,
+        "kvlease-quiet": start_engine(
+            "kvlease-quiet", model, TenantAwareScheduler, "priority", pool
+        ),
+        "least-work": start_engine(
+            "least-work", model, TenantAwareScheduler, "priority", pool,
+            {"victim_rule": "least_work"},
+        ),
+        "fcfs": start_engine("fcfs", model, Scheduler, "fcfs", pool),
+        "priority": start_engine("priority", model, Scheduler, "priority", pool),
+    }  # fmt: skip
+    sps = args.steps_per_second
+    ways: dict[str, dict] = {}
+    runs = [("alone", "kvlease-quiet", premium), ("fcfs", "fcfs", turns)]
+    runs += [("priority", "priority", turns), ("least-work", "least-work", turns)]
+    for name, engine, trace in runs:
+        ways[name] = summarize(play(engines[engine], trace, name, sps, tiers), tiers)
+        _progress(name, ways[name])
+    tps: dict[str, list[float]] = {"kvlease": [], "kvlease-quiet": []}
+    for i in range(repeats):
+        for name in ("kvlease-quiet", "kvlease") if i % 2 else ("kvlease", "kvlease-quiet"):
+            result = summarize(play(engines[name], turns, name, sps, tiers), tiers)
+            tps[name].append(result["output_tokens_per_second"])
+            if i == 0:
+                ways[name] = result
+                _progress(name, result)
+    records = telemetry.close()
+    loud_requests = ways["kvlease"]["requests"] * repeats
+    ways["kvlease"].update(
+        ledger_records=records, ledger_expected=loud_requests,
+        span_exports=telemetry.sink.exports, metric_scrapes=telemetry.scrapes,
+    )  # fmt: skip
+    quiet_tps, loud_tps = max(tps["kvlease-quiet"]), max(tps["kvlease"])
+    result = {
+        "trace": "file" if args.trace else ("quick" if args.quick else "seeded"),
+        "requests": len(turns),
+        "pool_blocks": pool,
+        "steps_per_second": sps,
+        "repeats": repeats,
+        "telemetry_tokens_per_second": tps,
+        "ways": ways,
+        "targets": targets(ways, quiet_tps, loud_tps),
+        "machine": report.machine(),
+    }
+    name = "policy-quick" if args.quick else "policy"
+    report.write(args.out, name, result, markdown(result))
+    report.plot_ttft(args.out / f"{name}.png", ways, TIERS)
+    print(markdown(result))
+    if records != loud_requests:
+        print(f"ledger has {records} records for {loud_requests} requests", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _progress(name: str, r: dict) -> None:
+    tiers = " ".join(
+        f"{t}: ttft {v['ttft_steps']['mean']:.0f}/{v['ttft_steps']['max']:.0f} steps, "
+        f"{v['preemptions']} preempted"
+        for t, v in r["tiers"].items()
+    )
+    print(f"  {name:14} {r['engine_steps']} steps, {r['wall_seconds']} s; {tiers}", flush=True)
+
+
+def markdown(result: dict) -> str:
+    ways = result["ways"]
+    lines = [
+        "| way | tier | requests | TTFT steps mean / p99 / max | TTFT s mean / p99 | "
+        "TPOT steps | preemptions | recomputed tokens | leased prefix hit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for way in ("alone", "fcfs", "priority", "kvlease", "least-work"):
+        for tier, t in ways[way]["tiers"].items():
+            s, w = t["ttft_steps"], t["ttft_seconds"]
+            hit = "-" if t["leased_prefix_hit"] is None else f"{t['leased_prefix_hit']:.0%}"
+            lines.append(
+                f"| {way} | {tier} | {t['requests']} | {s['mean']:.1f} / {s['p99']:.0f} / "
+                f"{s['max']:.0f} | {w['mean']:.2f} / {w['p99']:.2f} | {t['tpot_steps']:.2f} | "
+                f"{t['preemptions']} | {t['recomputed_tokens']:,} | {hit} |"
+            )
+    lines += [
+        "",
+        "| way | engine steps | output tok/step | output tok/s | recomputed after preemption "
+        "| earlier-turn context recomputed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for way in ("alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "least-work"):
+        w = ways[way]
+        lines.append(
+            f"| {way} | {w['engine_steps']} | {w['output_tokens_per_step']:.2f} | "
+            f"{w['output_tokens_per_second']:.0f} | {w['recomputed_tokens']:,} | "
+            f"{w['context_recomputed_tokens']:,} |"
+        )
+    lines += ["", report.targets_table(result["targets"])]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

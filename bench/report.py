@@ -1,0 +1,107 @@
+"""What every benchmark writes: JSON results, a Markdown table, a plot, the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: an observed value, never an interpolation."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def stats(values: Sequence[float]) -> dict[str, float]:
+    return {
+        "mean": mean(values),
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "max": max(values, default=0.0),
+    }
+
+
+def write(out: Path, name: str, result: dict[str, Any], markdown: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    (out / f"{name}.md").write_text(f"Machine: {result['machine']}\n\n{markdown}")
+
+
+def targets_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| target | wanted | measured | met |", "|---|---|---|---|"]
+    for row in rows:
+        value = row["measured"]
+        shown = "-" if value is None else f"{value:.3g}" if isinstance(value, float) else value
+        lines.append(
+            f"| {row['target']} | {row['wanted']} | {shown} | {'yes' if row['met'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft(path: Path, ways: dict[str, dict], tiers: Sequence[str]) -> None:
+    """Mean and worst TTFT in engine steps, per tier, one bar group per way."""
+    plt = _pyplot()
+    names = [w for w in ("alone", "fcfs", "priority", "kvlease") if w in ways]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    width = 0.8 / len(names)
+    for ax, key in zip(axes, ("mean", "max"), strict=True):
+        for i, way in enumerate(names):
+            per_tier = ways[way]["tiers"]
+            values = [per_tier[t]["ttft_steps"][key] if t in per_tier else 0 for t in tiers]
+            ax.bar([x + i * width for x in range(len(tiers))], values, width, label=way)
+        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(tiers))], tiers)
+        ax.set_title(f"TTFT, {key} (engine steps)")
+        ax.set_yscale("symlog", linthresh=10)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_lines(
+    path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]]
+) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

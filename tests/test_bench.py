@@ -1,0 +1,86 @@
+"""`make bench --quick`, as CI runs it: every benchmark end to end on the real engine.
+
+These check that each benchmark runs and that its figures are consistent, not
+how fast anything is: timings belong to the benchmark results, not to tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).parent.parent
+
+
+def _bench(name: str, out: Path, home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
+    env["KVLEASE_HOME"] = str(home)
+    argv = [sys.executable, "-m", f"bench.{name}", "--quick", "--out", str(out)]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (out / f"{name}-quick.md").read_text().startswith("Machine: ")
+    if name != "ledger":  # the ledger benchmark has two figures and no plot
+        assert (out / f"{name}-quick.png").stat().st_size > 1000
+    return json.loads((out / f"{name}-quick.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token(out, kvlease_home):
+    result = _bench("policy", out, kvlease_home)
+    ways = result["ways"]
+    assert set(ways) == {"alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "least-work"}
+    full = {w: ways[w]["requests"] for w in ways if w != "alone"}
+    assert len(set(full.values())) == 1, full  # every way replays the same requests
+    # Premium alone never runs short here: nothing preempted, so nothing recomputed.
+    assert ways["alone"]["recomputed_tokens"] == 0
+    assert all(w["recomputed_tokens"] >= 0 for w in ways.values())
+    # Telemetry changes no decision: the step clock gives identical figures.
+    for key in ("engine_steps", "recomputed_tokens", "output_tokens"):
+        assert ways["kvlease"][key] == ways["kvlease-quiet"][key], key
+    assert ways["kvlease"]["tiers"] == {
+        tier: {**v, "ttft_seconds": ways["kvlease"]["tiers"][tier]["ttft_seconds"],
+               "tpot_ms": ways["kvlease"]["tiers"][tier]["tpot_ms"]}
+        for tier, v in ways["kvlease-quiet"]["tiers"].items()
+    }  # fmt: skip
+    # The telemetry run left one usage record per request, and spans and scrapes.
+    assert ways["kvlease"]["ledger_records"] == ways["kvlease"]["ledger_expected"] > 0
+    assert ways["kvlease"]["span_exports"] > 0 and ways["kvlease"]["metric_scrapes"] > 0
+    assert ways["kvlease"]["tiers"]["premium"]["preemptions_while_lower_tier_ran"] == 0
+    assert len(result["targets"]) == 8
+
+
+def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_home):
+    result = _bench("overhead", out, kvlease_home)
+    rows = {(r["running"], r["pressure"]) for r in result["rows"]}
+    assert rows == {(n, p) for n in (64, 256, 1024) for p in (False, True)}
+    for r in result["rows"]:
+        assert r["stock_us"] > 0 and r["kvlease_us"] > 0
+        if r["pressure"]:
+            assert r["preemptions"]["stock"] > 0 and r["preemptions"]["kvlease"] > 0
+        else:
+            assert r["preemptions"] == {"stock": 0, "kvlease": 0}
+            assert r["scheduled_per_step"] == {"stock": r["running"], "kvlease": r["running"]}
+
+
+def test_soak_has_no_errors_and_one_ledger_record_per_completed_request(out, kvlease_home):
+    result = _bench("soak", out, kvlease_home)
+    assert result["errors"] == 0, result["last_errors"]
+    assert result["completed"] > 64
+    assert result["ledger_records"] == result["completed"]
+    assert len(result["rss_samples"]) >= 3
+    assert all(s["total"] > s["api"] > 0 for s in result["rss_samples"])
+
+
+def test_ledger_benchmark_ingests_and_exports_every_record(out, kvlease_home):
+    result = _bench("ledger", out, kvlease_home)
+    assert result["records"] == 20_000 and result["export_rows"] > 0
