@@ -10,10 +10,13 @@ adds separator nodes that split it into segments, evicted in this order:
 
     EMPTY | CACHED | LEASED(least important leased tier) | ... | LEASED(most important)
 
-A cached block freed by a session whose lease is running goes to its tier's
-LEASED segment (while that tier is under its cap), so it is evicted only after
-every EMPTY and CACHED block. When the lease expires its blocks move to the
-front of CACHED: they are at least `lease_seconds` old, the stalest prefixes.
+A cached block freed by a session whose lease is running goes to the back of
+its tier's LEASED segment, so it is evicted only after every EMPTY and CACHED
+block. A tier's LEASED segment holds at most its cap: at the cap, the tier's
+oldest leased block (the front of the segment) moves to the back of CACHED, so
+the sessions that were active last, the likeliest to send a next turn, keep
+their prefixes. When a lease expires its blocks move to the front of CACHED:
+they are at least `lease_seconds` old, the stalest prefixes.
 With no owner set, every append lands in CACHED and the queue behaves exactly
 like vLLM's (a differential test checks this).
 
@@ -81,7 +84,7 @@ class TenantFreeBlockQueue:
     blocks it owns in those segments; `_leased_count[s] <= _cap[s]`.
 
     Costs: popleft is O(segments) (a small constant: tiers + 2), remove,
-    append and prepend are O(1); none allocates. Lease release is O(blocks in
+    append (with a demotion at the cap) and prepend are O(1); none allocates. Lease release is O(blocks in
     that tier's segment) and happens once per lease expiry, off the hot path.
     """
 
@@ -142,10 +145,11 @@ class TenantFreeBlockQueue:
             return
         seg = owner.leased_segment
         if seg is None or (
-            eviction_class(True, owner.protected, self._leased_count[seg], self._cap[seg])
-            is not EvictionClass.LEASED
+            eviction_class(True, owner.protected, self._cap[seg]) is not EvictionClass.LEASED
         ):
             seg = CACHED
+        elif self._leased_count[seg] >= self._cap[seg]:
+            self._demote_oldest(seg)
         self._insert_before(self._seps[seg + 1], block, seg, owner)
 
     def append_n(self, blocks: Sequence[Block]) -> None:
@@ -231,6 +235,13 @@ class TenantFreeBlockQueue:
             assert (owner.cached, owner.leased) == (cached, in_lease), "holder counts out of sync"
 
     # -- internals -----------------------------------------------------------
+
+    def _demote_oldest(self, seg: int) -> None:
+        """The tier is at its cap: its oldest leased block becomes the newest CACHED one."""
+        block = self._seps[seg].next_free_block
+        owner = self._owner[block.block_id]
+        self._unlink(block, evicting=False)
+        self._insert_before(self._seps[CACHED + 1], block, CACHED, owner)
 
     def _insert_before(self, nxt: Any, block: Block, seg: int, owner: Holder | None) -> None:
         prev = nxt.prev_free_block

@@ -143,13 +143,13 @@ class EvictionClass(enum.IntEnum):
     LEASED = 2
 
 
-def eviction_class(
-    has_prefix: bool, leased: bool, tier_leased_blocks: int, tier_cap: int
-) -> EvictionClass:
-    """Class of one block being freed; leased blocks beyond the tier's cap are plain CACHED."""
+def eviction_class(has_prefix: bool, leased: bool, tier_cap: int) -> EvictionClass:
+    """Class of one block being freed. A leased block is LEASED whenever its tier may lease
+    at all; at the tier's cap the queue makes room by demoting that tier's oldest leased
+    block, so the newest leases (the sessions likeliest to come back) keep their prefixes."""
     if not has_prefix:
         return EvictionClass.EMPTY
-    if leased and tier_leased_blocks < tier_cap:
+    if leased and tier_cap > 0:
         return EvictionClass.LEASED
     return EvictionClass.CACHED
 

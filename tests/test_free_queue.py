@@ -92,16 +92,23 @@ def test_leased_prefixes_are_evicted_only_after_every_unleased_block():
     assert {h.tenant_id for h in queue.take_evictions()} == {"acme", "bob"}
 
 
-def test_leased_blocks_beyond_the_tier_cap_are_plain_cached():
+def test_at_the_tier_cap_the_newest_leased_blocks_stay_and_the_oldest_become_cached():
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=[2])
-    holder = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
-    held = _taken(queue, blocks, range(5))
-    queue.owner = holder
-    queue.append_n(held)
+    old = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    new = Holder("acme", "premium", "s2", FIRST_LEASED, protected=True)
+    queue.owner = old
+    queue.append_n(_taken(queue, blocks, range(3)))
     queue.check()
-    assert (holder.leased, holder.cached) == (2, 3)
+    assert (old.leased, old.cached) == (2, 1)
+    queue.owner = new
+    queue.append_n(_taken(queue, blocks, range(3, 5)))
+    queue.owner = None
+    queue.check()
+    assert (old.leased, old.cached, new.leased, new.cached) == (0, 3, 2, 0)
     assert queue.segment_sizes() == [N - 5, 3, 2]
+    # Eviction order: the empty blocks, then s1's three (oldest first), then s2's two.
+    assert [b.block_id for b in queue.popleft_n(N)][-5:] == [0, 1, 2, 3, 4]
 
 
 def test_expired_lease_moves_blocks_to_the_front_of_cached_in_order():

@@ -138,17 +138,16 @@ def test_cost_model_compares_offload_round_trip_with_recompute():
 
 
 @pytest.mark.parametrize(
-    ("has_prefix", "leased", "used", "cap", "expected"),
+    ("has_prefix", "leased", "cap", "expected"),
     [
-        (False, True, 0, 10, EvictionClass.EMPTY),
-        (True, False, 0, 10, EvictionClass.CACHED),
-        (True, True, 9, 10, EvictionClass.LEASED),
-        (True, True, 10, 10, EvictionClass.CACHED),
-        (True, True, 0, 0, EvictionClass.CACHED),
+        (False, True, 10, EvictionClass.EMPTY),
+        (True, False, 10, EvictionClass.CACHED),
+        (True, True, 10, EvictionClass.LEASED),
+        (True, True, 0, EvictionClass.CACHED),
     ],
 )
-def test_eviction_class(has_prefix, leased, used, cap, expected):
-    assert eviction_class(has_prefix, leased, used, cap) is expected
+def test_eviction_class(has_prefix, leased, cap, expected):
+    assert eviction_class(has_prefix, leased, cap) is expected
 
 
 def test_leased_cap_is_a_fraction_of_the_pool_rounded_down():
