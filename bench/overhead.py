@@ -5,13 +5,18 @@
 
 Both are real vLLM schedulers built as the engine builds them
 (bench/synthetic.py) and fed a synthetic model output each step, so only
-scheduling is timed: one `schedule()` plus `update_from_output()`.
-- no pressure: the pool holds every request as it grows;
-- pressure: the pool holds about 2.2 blocks per request while each grows to 3,
-  so requests are preempted and re-admitted every step.
+scheduling is timed: one `schedule()` plus `update_from_output()`. Each
+request has a 60-token prompt and 64 output tokens; whenever requests finish,
+as many new ones arrive (outside the timed part), so the engine stays in a
+steady state of prefills and decodes with `n` requests running at most
+(`max_num_seqs`) and a backlog of n/4 waiting:
+- no pressure: the pool holds every request at its largest (4 blocks);
+- pressure: the pool holds 3 blocks per running request, so growing requests
+  are preempted every few steps and re-admitted.
 Requests come from 32 tenants in the three tiers (1:3:8), one session each.
-The two classes are timed alternately, `--repeats` times; each figure is the
-fastest repeat's mean step, as timeit reports. Results: bench/results/overhead.*
+The two classes are timed alternately, `--repeats` times, with the heap
+frozen for the garbage collector as vLLM's EngineCore freezes it after start;
+each figure is the fastest repeat's mean step, as timeit reports. Results: bench/results/overhead.*
 """
 
 from __future__ import annotations
@@ -29,37 +34,52 @@ from engine.workload import TIERS
 
 SIZES = (64, 256, 1024)
 RESULTS = Path(__file__).parent / "results"
-PROMPT = 2 * BLOCK - 4  # two blocks, a third needed after 4 decoded tokens
+PROMPT = 60
+OUTPUT = 64  # a request holds 2 blocks at first and 4 at its end
+WARMUP_STEPS = 2 * OUTPUT  # past the first wave: arrivals and finishes are mixed
 
 
 def tier_of(i: int) -> str:
     return TIERS[0] if i % 12 == 0 else TIERS[1] if i % 12 < 4 else TIERS[2]
 
 
-def build(cls: type, model: str, n: int, pressure: bool, steps: int) -> Any:
-    """`n` requests admitted; without pressure the pool holds them for `steps` more tokens."""
-    grown = -(-(PROMPT + 50 + steps) // BLOCK)  # blocks a request holds at the end, at most
-    blocks = int(n * 2.2) + 1 if pressure else n * grown + 1
-    scheduler = make_scheduler(cls, model, blocks, max_num_seqs=n)
-    for i in range(n):
-        tenant = f"t{i % 32:02d}"
-        tier = tier_of(i % 32)
-        scheduler.add_request(make_request(tenant, tier, PROMPT, 10_000, session=tenant))
-    for _ in range(50):  # admit everyone (prefill is 2,048 tokens a step)
-        step(scheduler)
-        if not scheduler.waiting:
-            break
-    return scheduler
+class Load:
+    """Keeps `n + n // 4` requests in the scheduler: one arrives for each that finishes."""
+
+    def __init__(self, scheduler: Any, n: int) -> None:
+        self.scheduler, self.target = scheduler, n + n // 4
+        self.sent: list[Any] = []  # every request, to count preemptions at the end
+        self.top_up()
+
+    def top_up(self) -> None:
+        while len(self.scheduler.requests) < self.target:
+            i = len(self.sent) % 32
+            request = make_request(f"t{i:02d}", tier_of(i), PROMPT, OUTPUT, f"t{i:02d}")
+            self.scheduler.add_request(request)
+            self.sent.append(request)
+
+    def preemptions(self) -> int:
+        return sum(r.num_preemptions for r in self.sent)
 
 
-def time_steps(scheduler: Any, steps: int) -> tuple[float, float]:
-    """Mean seconds per step, and the mean number of requests running in them."""
-    gc.collect()
-    running = 0
-    started = time.perf_counter()
+def build(cls: type, model: str, n: int, pressure: bool) -> Load:
+    largest = -(-(PROMPT + OUTPUT) // BLOCK)
+    blocks = n * 3 + 1 if pressure else (n + n // 4) * largest + 1
+    load = Load(make_scheduler(cls, model, blocks, max_num_seqs=n), n)
+    time_steps(load, WARMUP_STEPS)
+    return load
+
+
+def time_steps(load: Load, steps: int) -> tuple[float, float]:
+    """Mean seconds per step, and the mean number of requests scheduled in them."""
+    scheduled, seconds = 0, 0.0
     for _ in range(steps):
-        running += len(step(scheduler).num_scheduled_tokens)
-    return (time.perf_counter() - started) / steps, running / steps
+        started = time.perf_counter()
+        out = step(load.scheduler)
+        seconds += time.perf_counter() - started
+        scheduled += len(out.num_scheduled_tokens)
+        load.top_up()
+    return seconds / steps, scheduled / steps
 
 
 def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dict[str, Any]:
@@ -68,14 +88,14 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
     from engine.vllm_scheduler import TenantAwareScheduler
 
     classes = {"stock": Scheduler, "kvlease": TenantAwareScheduler}
-    schedulers = {
-        name: build(cls, model, n, pressure, steps * repeats) for name, cls in classes.items()
-    }
+    loads = {name: build(cls, model, n, pressure) for name, cls in classes.items()}
+    gc.collect()
+    gc.freeze()  # as vLLM's EngineCore does once started: full collections skip this heap
     best = {name: float("inf") for name in classes}
     scheduled = {name: 0.0 for name in classes}
     for i in range(repeats):
         for name in ("stock", "kvlease") if i % 2 == 0 else ("kvlease", "stock"):
-            seconds, scheduled[name] = time_steps(schedulers[name], steps)
+            seconds, scheduled[name] = time_steps(loads[name], steps)
             best[name] = min(best[name], seconds)
     return {
         "running": n,
@@ -84,12 +104,9 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         "stock_us": best["stock"] * 1e6,
         "kvlease_us": best["kvlease"] * 1e6,
         "ratio": best["kvlease"] / best["stock"],
-        "preemptions": {k: _preemptions(s) for k, s in schedulers.items()},
+        "requests_sent": {k: len(load.sent) for k, load in loads.items()},
+        "preemptions": {k: load.preemptions() for k, load in loads.items()},
     }
-
-
-def _preemptions(scheduler: Any) -> int:
-    return sum(r.num_preemptions for r in scheduler.requests.values())
 
 
 def main() -> int:

@@ -28,205 +28,22 @@ import argparse
 import os
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from bench import report
+from bench.inprocess import BLOCK_SIZE, Engine, Observations, Telemetry, start_engine
 from bench.workload import Arrival, StepTrace, load
-from engine.tenancy import TenantContext, TierTable
+from engine.tenancy import TierTable
 from engine.workload import TIERS, Turn
 
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
-BLOCK_SIZE = 32
-MAX_MODEL_LEN = (POOL_BLOCKS - 1) * BLOCK_SIZE
 MAX_CONTEXT = 1400  # a session ends before its context passes this, as in the demo
 RESULTS = Path(__file__).parent / "results"
-
-
-@dataclass
-class Observations:
-    """What the observing subclass saw: tokens computed per request, and each preemption."""
-
-    computed: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
-    preemptions: list[tuple[str, str | None, int, bool]] = field(default_factory=list)
-    steps: int = 0
-
-
-def observed(cls: type) -> type:
-    """`cls` plus counting: tokens scheduled per request and each victim. Decides nothing."""
-    rank = {tier: i for i, tier in enumerate(TIERS)}
-
-    class Observed(cls):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.bench = Observations()
-
-        def schedule(self, *args: Any, **kwargs: Any):
-            out = super().schedule(*args, **kwargs)
-            self.bench.steps += 1
-            for rid, n in out.num_scheduled_tokens.items():
-                self.bench.computed[_external(rid)] += n
-            return out
-
-        def _preempt_request(self, request, *args: Any, **kwargs: Any):
-            tier = _tier(request)
-            lower = any(rank.get(_tier(r), 9) > rank.get(tier, 9) for r in self.running)
-            self.bench.preemptions.append(
-                (_external(request.request_id), tier, request.num_computed_tokens, lower)
-            )
-            return super()._preempt_request(request, *args, **kwargs)
-
-    Observed.__name__ = f"Observed{cls.__name__}"
-    return Observed
-
-
-def _external(request_id: str) -> str:
-    """The id given to `add_request`: vLLM appends "-" and 8 random characters."""
-    return request_id.rsplit("-", 1)[0]
-
-
-def _tier(request: Any) -> str | None:
-    return (request.sampling_params.extra_args or {}).get("tier")
-
-
-@dataclass
-class Engine:
-    name: str
-    llm: Any  # vllm.v1.engine.llm_engine.LLMEngine, in-process
-    telemetry: Telemetry | None = None
-
-    @property
-    def scheduler(self) -> Any:
-        return self.llm.engine_core.engine_core.scheduler
-
-
-def start_engine(
-    name: str, model: str, scheduler_cls: type, policy: str, pool: int, kvlease=None, **kw: Any
-) -> Engine:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    started = time.perf_counter()
-    args = EngineArgs(
-        model=model,
-        enforce_eager=True,
-        block_size=BLOCK_SIZE,
-        max_model_len=min(MAX_MODEL_LEN, (pool - 1) * BLOCK_SIZE),
-        num_gpu_blocks_override=pool,
-        enable_prefix_caching=True,
-        seed=0,
-        scheduler_cls=observed(scheduler_cls),
-        scheduling_policy=policy,
-        disable_log_stats=kw.pop("disable_log_stats", True),
-        additional_config={"kvlease": kvlease or {}},
-    )
-    llm = LLMEngine.from_engine_args(args, **kw)
-    print(f"  engine {name}: ready in {time.perf_counter() - started:.0f} s", flush=True)
-    return Engine(name, llm)
-
-
-class Telemetry:
-    """kvlease's API-process telemetry, in this process: what `kvlease serve` runs.
-
-    The scheduler publishes over the ZeroMQ channel to the engine view; the
-    stat-logger plugin feeds metrics, the request join, OTLP spans (to a local
-    HTTP sink) and a SQLite usage ledger; a thread renders /metrics every second
-    as a Prometheus scrape would. Each request gets the InFlight entry that
-    TenantMiddleware would give it, under a `kvl-` id.
-    """
-
-    def __init__(self, workdir: Path) -> None:
-        from exporters.channel import ADDRESS_ENV, new_address
-
-        self.sink = _OtlpSink()
-        self.db = workdir / "usage.db"
-        os.environ[ADDRESS_ENV] = new_address()
-        os.environ["KVLEASE_USAGE_DB"] = f"sqlite:///{self.db}"
-        os.environ["KVLEASE_OTEL"] = "1"
-        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"{self.sink.url}/v1/traces"
-        from exporters.engine_view import VIEW
-
-        VIEW.start()
-        self.scrapes = 0
-        self._stop = threading.Event()
-        threading.Thread(target=self._scrape, name="bench-scrape", daemon=True).start()
-
-    @staticmethod
-    def stat_loggers() -> list:
-        from exporters.stats import KvleaseStatLogger
-
-        return [KvleaseStatLogger]
-
-    def engine_started(self) -> None:
-        """Only the telemetry engine publishes: later engines find no channel address."""
-        from exporters.channel import ADDRESS_ENV
-
-        del os.environ[ADDRESS_ENV]
-
-    def request_id(self, turn: Turn) -> str:
-        from engine.server import IN_FLIGHT, InFlight
-
-        rid = f"kvl-{uuid.uuid4().hex}"
-        ctx = TenantContext(turn.tenant_id, turn.tier, session_id=turn.session_id)
-        IN_FLIGHT[rid] = InFlight(ctx, "/v1/completions", time.time_ns(), None, "kvlease-demo")
-        return rid
-
-    def request_done(self, rid: str) -> None:
-        from engine.server import IN_FLIGHT
-
-        IN_FLIGHT.pop(rid, None)
-
-    def close(self) -> int:
-        """Flush spans and usage records as `kvlease serve` does on exit; the ledger's count."""
-        from exporters import ledger, tracing
-        from exporters.engine_view import VIEW
-        from exporters.requests import JOIN
-        from exporters.usage import UsageLedger
-
-        self._stop.set()
-        time.sleep(0.5)  # let the channel deliver the engine's last events
-        VIEW.stop()
-        JOIN.flush()
-        ledger.shutdown()
-        tracing.shutdown()
-        return UsageLedger(f"sqlite:///{self.db}").count()
-
-    def _scrape(self) -> None:
-        from prometheus_client import REGISTRY, generate_latest
-
-        while not self._stop.wait(1.0):
-            generate_latest(REGISTRY)
-            self.scrapes += 1
-
-
-class _OtlpSink:
-    """Accepts OTLP/HTTP span exports and counts them: a collector that keeps nothing."""
-
-    def __init__(self) -> None:
-        sink = self
-        self.exports = 0
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                sink.exports += 1
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 @dataclass

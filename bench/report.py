@@ -84,7 +84,7 @@ def plot_ttft(path: Path, ways: dict[str, dict], tiers: Sequence[str]) -> None:
             ax.bar([x + i * width for x in range(len(tiers))], values, width, label=way)
         ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(tiers))], tiers)
         ax.set_title(f"TTFT, {key} (engine steps)")
-        ax.set_yscale("symlog", linthresh=10)
+        ax.set_yscale("symlog", linthresh=1)  # linear below 1 step: 0 is a real value
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -176,6 +176,14 @@ def main() -> int:
         "output_tokens_per_second": sum(stats.output_tokens.values()) / elapsed,
         "latency_seconds": report.stats(latency),
         "ttft_seconds": report.stats(ttft),
+        "by_tier_seconds": {
+            tier: {
+                "latency": report.stats(stats.latency[tier]),
+                "ttft": report.stats(stats.ttft[tier]),
+            }
+            for tier in stats.latency
+            if stats.latency[tier]
+        },
         "rss": flat,
         "rss_samples": samples,
         "ledger_records": records,
@@ -222,6 +230,13 @@ def markdown(r: dict) -> str:
         f"{r['output_tokens_per_second']:.0f} | {lat['p50']:.2f} / {lat['p99']:.2f} | "
         f"{ttft['p50']:.2f} / {ttft['p99']:.2f} | {r['rss']['after_warmup_first_mib']:.0f} -> "
         f"{r['rss']['after_warmup_last_mib']:.0f} MiB | {r['ledger_records']} |\n\n"
+        + "| tier | completed | latency p50 / p99 s | TTFT p50 / p99 s |\n|---|---|---|---|\n"
+        + "".join(
+            f"| {tier} | {r['by_tier'][tier]} | {t['latency']['p50']:.2f} / "
+            f"{t['latency']['p99']:.2f} | {t['ttft']['p50']:.2f} / {t['ttft']['p99']:.2f} |\n"
+            for tier, t in r["by_tier_seconds"].items()
+        )
+        + "\n"
         + report.targets_table(r["targets"])
         + "\n"
     )

@@ -84,8 +84,9 @@ class TenantFreeBlockQueue:
     blocks it owns in those segments; `_leased_count[s] <= _cap[s]`.
 
     Costs: popleft is O(segments) (a small constant: tiers + 2), remove,
-    append (with a demotion at the cap) and prepend are O(1); none allocates. Lease release is O(blocks in
-    that tier's segment) and happens once per lease expiry, off the hot path.
+    append (with a demotion at the cap) and prepend are O(1); none allocates.
+    Lease release is O(blocks in that tier's segment) and happens once per
+    lease expiry, off the hot path.
     """
 
     def __init__(self, blocks: Sequence[Block], num_blocks: int, leased_caps: Sequence[int] = ()):

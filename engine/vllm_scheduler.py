@@ -83,6 +83,7 @@ class Tenancy:
     holder: Holder | None
     discarded_tokens: int = 0
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
+    lru_key: tuple | None = None  # keep_key under `lru`: fixed for the request's life
 
     @property
     def session(self) -> Hashable:
@@ -175,8 +176,14 @@ class TenantSchedulingMixin:
         self._kvl_running = value
 
     def _keep_key(self, request: Request) -> tuple:
+        """The request's place in `running`. Under `lru` every part of it is fixed while the
+        request lives (its class, arrival, seq), so it is computed once: admission is a
+        binary search over cached keys."""
         t = self._tenancy[request.request_id]
-        return keep_key(
+        lru = self.kvlease.victim_rule is VictimRule.LRU
+        if lru and t.lru_key is not None:
+            return t.lru_key
+        key = keep_key(
             Candidate(
                 classified=t.tenant_id is not None,
                 leased=t.rank[1] == 0,
@@ -187,6 +194,9 @@ class TenantSchedulingMixin:
             ),
             self.kvlease.victim_rule,
         )
+        if lru:
+            t.lru_key = key
+        return key
 
     def _admitted(self, request: Request) -> None:
         self._restore_offloaded(self._tenancy[request.request_id])
@@ -519,16 +529,22 @@ class TenantSchedulingMixin:
         tenants: dict[str | None, TenantBlocks] = {}
         seen: set[int] = set()
         request_blocks: dict[str, int] = {}
+        get_blocks = self.kv_cache_manager.coordinator.get_blocks
+        # O(blocks held), the one per-block loop off the step path: kept tight, no lists.
         for request_id, t in self._tenancy.items():
-            blocks = self._blocks(request_id)
-            if not blocks:
-                continue
-            request_blocks[request_id] = len(blocks)
-            held = tenants.setdefault(self._label(t.tenant_id), TenantBlocks())
-            for block in blocks:
-                if block.block_id not in seen:
-                    seen.add(block.block_id)
-                    held.running += 1
+            held_by_request = first_seen = 0
+            for group in get_blocks(request_id):
+                for block in group:
+                    if block.is_null:
+                        continue
+                    held_by_request += 1
+                    if block.block_id not in seen:  # a shared prefix block counts once
+                        seen.add(block.block_id)
+                        first_seen += 1
+            if held_by_request:
+                request_blocks[request_id] = held_by_request
+                held = tenants.setdefault(self._label(t.tenant_id), TenantBlocks())
+                held.running += first_seen
         for holder in self._holders.values():
             if holder.cached or holder.leased:
                 held = tenants.setdefault(self._label(holder.tenant_id), TenantBlocks())

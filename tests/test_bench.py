@@ -65,11 +65,13 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
     assert rows == {(n, p) for n in (64, 256, 1024) for p in (False, True)}
     for r in result["rows"]:
         assert r["stock_us"] > 0 and r["kvlease_us"] > 0
+        assert min(r["requests_sent"].values()) > r["running"] * 5 // 4  # requests finished
         if r["pressure"]:
             assert r["preemptions"]["stock"] > 0 and r["preemptions"]["kvlease"] > 0
         else:
             assert r["preemptions"] == {"stock": 0, "kvlease": 0}
-            assert r["scheduled_per_step"] == {"stock": r["running"], "kvlease": r["running"]}
+        # Both keep most of the n slots busy: the comparison is at (about) n running.
+        assert min(r["scheduled_per_step"].values()) >= 0.7 * r["running"]
 
 
 def test_soak_has_no_errors_and_one_ledger_record_per_completed_request(out, kvlease_home):
