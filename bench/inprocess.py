@@ -84,8 +84,16 @@ class Engine:
 
 
 def start_engine(
-    name: str, model: str, scheduler_cls: type, policy: str, pool: int, kvlease=None, **kw: Any
+    name: str,
+    model: str,
+    scheduler_cls: type,
+    policy: str,
+    pool: int,
+    kvlease: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> Engine:
+    """A started engine whose scheduler is `observed(scheduler_cls)`; `kvlease` is the
+    scheduler's `additional_config.kvlease` (e.g. the victim rule)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 

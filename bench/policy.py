@@ -66,7 +66,6 @@ class Run:
     busy_steps: int
     wall_seconds: float
     dropped: int
-    telemetry: dict[str, int] = field(default_factory=dict)
 
 
 def play(
@@ -190,7 +189,6 @@ def summarize(run: Run, tiers: TierTable) -> dict[str, Any]:
         context_recomputed_tokens=sum(
             t["context_recomputed_tokens"] for t in out["tiers"].values()
         ),
-        **run.telemetry,
     )
     return out
 

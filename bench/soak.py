@@ -71,6 +71,8 @@ def rss_mib(pid: int) -> dict[str, float]:
 async def client(
     base_url: str, token: str, tenant: str, tier: str, stats: LoadStats, stop: asyncio.Event
 ) -> None:
+    """One tenant's chat until `stop`: turn k asks 40-99 tokens and 48-127 back (fixed by k,
+    so runs compare); a new conversation before 1,400 tokens, or after an error."""
     api = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=600)
     history: list[dict[str, str]] = []
     context, k = 0, 0
