@@ -31,9 +31,12 @@ def _state(**tenants) -> dict:
 
 
 def _history(state: dict, label=None) -> History:
+    """Five samples over the last 100 s of *now*: the module's NOW may be minutes old by
+    the time a test runs, and the window is 600 s."""
     history = History(label or TenantLabels(), window=600, every=1.0)
+    now = time.time()
     for i in range(5):
-        history.add_state(state, wall=NOW - 100 + i * 10)
+        history.add_state(state, wall=now - 100 + i * 10)
     mono = time.monotonic()
     history.add_event(
         {
