@@ -12,15 +12,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from demo.workload import TIERS, Turn
 from engine.tenancy import TenantContext
-from engine.workload import TIERS, Turn
+from exporters.ledger import DB_ENV
+from exporters.tracing import ENABLE_ENV as OTEL_ENV
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 63 * BLOCK_SIZE  # the demo model's pool in the demo: 64 blocks
@@ -127,59 +128,52 @@ class Telemetry:
     """
 
     def __init__(self, workdir: Path) -> None:
-        from exporters.channel import ADDRESS_ENV, new_address
+        from engine.channel import ADDRESS_ENV, new_address
 
         self.sink = _OtlpSink()
         self.db = workdir / "usage.db"
         os.environ[ADDRESS_ENV] = new_address()
-        os.environ["KVLEASE_USAGE_DB"] = f"sqlite:///{self.db}"
-        os.environ["KVLEASE_OTEL"] = "1"
+        os.environ[DB_ENV] = f"sqlite:///{self.db}"
+        os.environ[OTEL_ENV] = "1"
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"{self.sink.url}/v1/traces"
-        from exporters.engine_view import VIEW
+        from exporters.telemetry import TELEMETRY
 
-        VIEW.start()
+        self.telemetry = TELEMETRY.start()
         self.scrapes = 0
         self._stop = threading.Event()
         threading.Thread(target=self._scrape, name="bench-scrape", daemon=True).start()
 
     @staticmethod
     def stat_loggers() -> list:
-        from exporters.stats import KvleaseStatLogger
+        from exporters.stat_logger import KvleaseStatLogger
 
         return [KvleaseStatLogger]
 
     def engine_started(self) -> None:
         """Only the telemetry engine publishes: later engines find no channel address."""
-        from exporters.channel import ADDRESS_ENV
+        from engine.channel import ADDRESS_ENV
 
         del os.environ[ADDRESS_ENV]
 
     def request_id(self, turn: Turn) -> str:
-        from engine.server import IN_FLIGHT, InFlight
+        from exporters.join import InFlight, new_request_id
 
-        rid = f"kvl-{uuid.uuid4().hex}"
+        rid = new_request_id()
         ctx = TenantContext(turn.tenant_id, turn.tier, session_id=turn.session_id)
-        IN_FLIGHT[rid] = InFlight(ctx, "/v1/completions", time.time_ns(), None, "kvlease-demo")
+        entry = InFlight(ctx, "/v1/completions", time.time_ns(), None, "kvlease-demo")
+        self.telemetry.join.in_flight[rid] = entry
         return rid
 
     def request_done(self, rid: str) -> None:
-        from engine.server import IN_FLIGHT
-
-        IN_FLIGHT.pop(rid, None)
+        self.telemetry.join.in_flight.pop(rid, None)
 
     def close(self) -> int:
         """Flush spans and usage records as `kvlease serve` does on exit; the ledger's count."""
-        from exporters import ledger, tracing
-        from exporters.engine_view import VIEW
-        from exporters.requests import JOIN
-        from exporters.usage import UsageLedger
+        from exporters.ledger import UsageLedger
 
         self._stop.set()
         time.sleep(0.5)  # let the channel deliver the engine's last events
-        VIEW.stop()
-        JOIN.flush()
-        ledger.shutdown()
-        tracing.shutdown()
+        self.telemetry.stop()
         return UsageLedger(f"sqlite:///{self.db}").count()
 
     def _scrape(self) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from bench import report
 from engine.tenancy import TierTable
 from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows
-from exporters.usage import UsageLedger, UsageRecord
+from exporters.ledger import UsageLedger, UsageRecord
 
 NOV = 1793491200.0  # 2026-11-01T00:00:00Z
 TIERS = ("premium", "standard", "free")

@@ -30,7 +30,7 @@ from typing import Any
 
 from bench import report
 from bench.synthetic import BLOCK, make_request, make_scheduler, step
-from engine.workload import TIERS
+from demo.workload import TIERS
 
 SIZES = (64, 256, 1024)
 RESULTS = Path(__file__).parent / "results"
@@ -116,7 +116,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from engine.demo_model import ensure_demo_model
+    from demo.model import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     steps, repeats = (20, 3) if args.quick else (100, args.repeats or 7)

@@ -38,8 +38,8 @@ from typing import Any
 from bench import report
 from bench.inprocess import BLOCK_SIZE, Engine, Observations, Telemetry, start_engine
 from bench.workload import Arrival, StepTrace, load
+from demo.workload import TIERS, Turn
 from engine.tenancy import TierTable
-from engine.workload import TIERS, Turn
 
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
 MAX_CONTEXT = 1400  # a session ends before its context passes this, as in the demo
@@ -260,7 +260,7 @@ def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from engine.demo_model import ensure_demo_model
+    from demo.model import ensure_demo_model
     from engine.vllm_scheduler import TenantAwareScheduler
 
     model = args.model or str(ensure_demo_model())

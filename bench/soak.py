@@ -31,8 +31,8 @@ import openai
 import psutil
 
 from bench import report
-from engine.auth import KeyRing
-from engine.demo import (
+from demo.client import LoadStats, ask, prompt
+from demo.run import (
     MODEL,
     Demo,
     resolve_model,
@@ -40,10 +40,10 @@ from engine.demo import (
     session_token,
     start_server,
 )
-from engine.loadgen import LoadStats, ask, prompt
+from demo.workload import Turn, WorkloadSpec, tenant_names
+from engine.auth import KeyRing
 from engine.tenancy import TierTable
-from engine.workload import Turn, WorkloadSpec, tenant_names
-from exporters.usage import UsageLedger
+from exporters.ledger import UsageLedger
 
 CLIENTS = 64
 POOL_BLOCKS = 512  # 16k tokens: enough that 64 short chats mostly fit, as a sized server would

@@ -1,6 +1,6 @@
 """The benchmarks' workload: a multi-tenant chat trace as engine requests on a step clock.
 
-The trace is `engine.workload`'s: seeded Poisson sessions of 4 premium, 8
+The trace is `demo.workload`'s: seeded Poisson sessions of 4 premium, 8
 standard and 20 free tenants, geometric turns, exponential think time and
 lognormal (heavy-tailed) lengths; or a trace file (timestamp, tenant, session,
 input_tokens, output_tokens[, tier]) such as one converted from BurstGPT or
@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.workload import Turn, WorkloadSpec, describe, generate, load_trace, save_trace
+from demo.workload import Turn, WorkloadSpec, describe, generate, load_trace, save_trace
 
 SPEC = WorkloadSpec(
     tenants=(4, 8, 20),

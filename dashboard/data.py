@@ -25,7 +25,9 @@ from typing import Any
 import httpx
 import pandas as pd
 
-STATES = ("running", "cached_leased", "cached")
+from exporters.ledger import DB_ENV
+from exporters.metrics import BLOCK_STATES as STATES
+
 OTHER = "other"
 RECENT_SECONDS = 300  # "in the last 5 minutes" in the tenant table
 ENGINE_ENV = "KVLEASE_DASHBOARD_ENGINE"
@@ -70,7 +72,7 @@ class Config:
         return cls(
             engine=env.get(ENGINE_ENV) or None,
             prometheus=env.get(PROMETHEUS_ENV) or None,
-            usage_db=env.get("KVLEASE_USAGE_DB") or None,
+            usage_db=env.get(DB_ENV) or None,
             token=env.get(TOKEN_ENV) or None,
             refresh_seconds=max(2.0, float(env.get(REFRESH_ENV) or 2.0)),
         )
@@ -390,7 +392,7 @@ USAGE_COLUMNS = [
 def load_usage(url: str, start: float, end: float, granularity: str, tiers) -> list[dict]:
     """FOCUS rows for the window, exactly as the export computes them."""
     from exporters.billing import focus_rows
-    from exporters.usage import UsageLedger
+    from exporters.ledger import UsageLedger
 
     try:
         return list(focus_rows(UsageLedger(url).read(start, end), granularity, tiers))

@@ -44,12 +44,12 @@ def environment(
     token: str | None,
     refresh_seconds: float = 2.0,
 ) -> dict[str, str]:
-    from exporters.usage import default_url
+    from exporters.ledger import DB_ENV, default_url
 
     env = dict(os.environ)
     env[data.ENGINE_ENV] = engine or ""
     env[data.PROMETHEUS_ENV] = prometheus or ""
-    env["KVLEASE_USAGE_DB"] = usage_db or default_url()
+    env[DB_ENV] = usage_db or default_url()
     env[data.REFRESH_ENV] = str(refresh_seconds)
     if token:
         env[data.TOKEN_ENV] = token

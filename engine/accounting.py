@@ -9,15 +9,17 @@ so the error is at most `sample_seconds` per change, never an idle spell).
 ones kvlease keeps for it. Plain cached blocks are free to evict at any moment
 and are not billed.
 
-Cumulative counters (preemptions, evictions, discarded tokens) are kept here,
+Cumulative counters (preemptions, evictions, recomputed tokens) are kept here,
 exactly, whatever happens to the event buffer.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from engine.events import TenantHolding
 
 Tenant = str | None  # None: unclassified requests
 
@@ -27,24 +29,11 @@ class AccountingError(AssertionError):
 
 
 @dataclass
-class TenantBlocks:
-    """Blocks one tenant holds right now, by state."""
-
-    running: int = 0  # referenced by its requests
-    cached_leased: int = 0  # its prefixes, protected by a running lease
-    cached: int = 0  # its prefixes, evictable (plain LRU)
-
-    @property
-    def billable(self) -> int:
-        return self.running + self.cached_leased
-
-
-@dataclass
 class Snapshot:
     at: float
     pool_blocks: int  # usable blocks (vLLM's null block excluded)
     free_blocks: int  # evictable: empty plus cached
-    tenants: dict[Tenant, TenantBlocks]
+    tenants: dict[Tenant, TenantHolding]
 
 
 @dataclass
@@ -59,7 +48,7 @@ class TenantAccounting:
     request_block_seconds: dict[str, float] = field(default_factory=dict)
     preemptions: Counter[tuple[Tenant, str | None, str, str]] = field(default_factory=Counter)
     preempted_blocks: Counter[tuple[Tenant, str | None, str]] = field(default_factory=Counter)
-    discarded_tokens: Counter[Tenant] = field(default_factory=Counter)
+    recomputed_tokens: Counter[Tenant] = field(default_factory=Counter)
     evicted_blocks: Counter[tuple[Tenant, str | None, bool]] = field(default_factory=Counter)
     offloaded_blocks: Counter[Tenant] = field(default_factory=Counter)  # gauge: off-device now
     last: Snapshot | None = None
@@ -70,7 +59,7 @@ class TenantAccounting:
         pool_blocks: int,
         free_blocks: int,
         referenced_blocks: int,
-        tenants: dict[Tenant, TenantBlocks],
+        tenants: dict[Tenant, TenantHolding],
         request_blocks: Mapping[str, int],
         check: bool = False,
     ) -> Snapshot:
@@ -100,22 +89,7 @@ class TenantAccounting:
     ) -> None:
         self.preemptions[(tenant, tier, reason, mode)] += 1
         self.preempted_blocks[(tenant, tier, reason)] += blocks
-        self.discarded_tokens[tenant] += tokens
+        self.recomputed_tokens[tenant] += tokens
 
     def count_eviction(self, tenant: Tenant, tier: str | None, leased: bool, blocks: int) -> None:
         self.evicted_blocks[(tenant, tier, leased)] += blocks
-
-    def preemptions_by_tier(self) -> Counter[str | None]:
-        out: Counter[str | None] = Counter()
-        for (_, tier, _, _), n in self.preemptions.items():
-            out[tier] += n
-        return out
-
-
-def merge_holdings(items: Iterable[tuple[Tenant, str, int]]) -> dict[Tenant, TenantBlocks]:
-    """(tenant, state, blocks) triples -> TenantBlocks per tenant."""
-    out: dict[Tenant, TenantBlocks] = {}
-    for tenant, state, blocks in items:
-        held = out.setdefault(tenant, TenantBlocks())
-        setattr(held, state, getattr(held, state) + blocks)
-    return out

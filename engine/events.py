@@ -1,32 +1,37 @@
-"""What the scheduler tells the rest of kvlease, and the bounded buffer it goes through.
+"""What the scheduler tells the rest of kvlease: typed events, a typed state snapshot,
+and the bounded buffer events go through.
 
 The scheduler runs inside vLLM's engine loop, so it never blocks on a
 consumer: events go into a fixed-size buffer, and when consumers fall behind
 the newest events are dropped and counted. Exact totals never depend on
-events: `engine.accounting` keeps cumulative counters beside them.
+events: `engine.accounting` keeps cumulative counters, sent in every snapshot.
+
+Events and snapshots cross from the EngineCore process to the API process
+(`engine.channel`) as msgspec Structs: the same classes encode on one side and
+decode on the other, so a field renamed on one side is a decode error at the
+boundary, not a silent `KeyError` (or a silent zero) in some reader.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+
+import msgspec
 
 
-@dataclass(frozen=True, slots=True)
-class Preemption:
-    at: float
+class Preemption(msgspec.Struct, frozen=True, tag=True):
+    at: float  # the machine's monotonic clock, shared by every process
     request_id: str
     tenant_id: str | None  # None: unclassified
     tier: str | None
     session_id: str | None
-    reason: str  # "kv_pressure" or "admit_higher_tier"
+    reason: str  # "kv_pressure", "admit_higher_tier" or "cache_reset"
     mode: str  # "recompute" or "offload"
     blocks: int  # KV blocks the request held
-    discarded_tokens: int  # computed tokens thrown away (recompute upper bound)
+    recomputed_tokens: int  # computed tokens thrown away (to be computed again)
 
 
-@dataclass(frozen=True, slots=True)
-class Eviction:
+class Eviction(msgspec.Struct, frozen=True, tag=True):
     """Cached prefix blocks of one tenant evicted to make room, within one step."""
 
     at: float
@@ -36,8 +41,7 @@ class Eviction:
     blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseEvent:
+class LeaseEvent(msgspec.Struct, frozen=True, tag=True):
     at: float
     tenant_id: str
     session_id: str | None
@@ -47,8 +51,7 @@ class LeaseEvent:
     request_id: str | None = None  # the request whose arrival or finish changed it
 
 
-@dataclass(frozen=True, slots=True)
-class RequestDone:
+class RequestDone(msgspec.Struct, frozen=True, tag=True):
     """A request left the engine (finished, aborted or failed)."""
 
     at: float
@@ -56,9 +59,9 @@ class RequestDone:
     tenant_id: str | None
     tier: str | None
     session_id: str | None
-    status: str
+    status: str  # vLLM's RequestStatus name, lower case: "finished_stopped", ...
     preemptions: int
-    discarded_tokens: int
+    recomputed_tokens: int
     block_seconds: float
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -67,9 +70,82 @@ class RequestDone:
 Event = Preemption | Eviction | LeaseEvent | RequestDone
 
 
-def event_dict(event: Event) -> dict:
-    """A JSON-ready dict with a `type` field, for channels out of the engine process."""
-    return {"type": type(event).__name__, **asdict(event)}
+class TenantHolding(msgspec.Struct):
+    """KV blocks one tenant label holds now, by state."""
+
+    running: int = 0  # referenced by its requests
+    cached_leased: int = 0  # its cached prefixes, protected by a running lease
+    cached: int = 0  # its cached prefixes, evictable
+
+    @property
+    def billable(self) -> int:
+        """Blocks kvlease keeps for the tenant: plain cached blocks may go at any moment."""
+        return self.running + self.cached_leased
+
+
+class Lease(msgspec.Struct):
+    tenant_id: str
+    session_id: str | None
+    tier: str | None
+    in_flight: bool  # a request of the session is in the engine: the lease is full
+    expires_at: float | None  # monotonic clock; None while in flight
+    seconds_left: float | None  # as of the snapshot's `at`
+    cached_leased_blocks: int
+
+
+class LeaseSummary(msgspec.Struct):
+    active: int = 0
+    seconds_left_max: float = 0.0
+
+
+class Totals(msgspec.Struct):
+    """Cumulative counters since the engine started, keyed by tenant label (and tier,
+    reason, mode): what Prometheus counters are built from, exact whatever events drop."""
+
+    preemptions: list[tuple[str, str | None, str, str, int]]  # tenant, tier, reason, mode
+    preempted_blocks: list[tuple[str, str | None, str, int]]  # tenant, tier, reason
+    recomputed_tokens: list[tuple[str, int]]
+    evicted_blocks: list[tuple[str, str | None, bool, int]]  # tenant, tier, leased
+    block_seconds: list[tuple[str, float]]
+    offloaded_blocks: list[tuple[str, int]]
+
+
+class EngineState(msgspec.Struct):
+    """One scheduler's picture of the pool, leases, queues and totals, at `at`."""
+
+    at: float  # monotonic clock
+    pool_blocks: int
+    free_blocks: int
+    tenants: dict[str, TenantHolding]
+    tenant_tiers: dict[str, str]  # tenant label -> the tier it last came with
+    leases: list[Lease]  # at most MAX_LEASES_LISTED; lease_summary covers all
+    leases_total: int
+    lease_summary: dict[str, LeaseSummary]
+    running: int
+    waiting: int
+    waiting_by_tier: dict[str, int]  # requests without tenant fields under "__unclassified__"
+    events_dropped: int
+    totals: Totals
+
+
+class Message(msgspec.Struct):
+    """One channel message: a step's events, and every `sample_seconds` a snapshot."""
+
+    events: list[Event] = []
+    state: EngineState | None = None
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(raw: bytes) -> Message:
+    """Raises msgspec.ValidationError (a ValueError) for a message of another shape."""
+    return _decoder.decode(raw)
 
 
 class EventBuffer:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.policy import VictimRule
-from engine.tenancy import TierTable
+from engine.tenancy import TIERS_ENV, TierTable
 
 KEYS = {
-    "tiers": "KVLEASE_TIERS",
+    "tiers": TIERS_ENV,
     "victim_rule": "KVLEASE_VICTIM_RULE",
     "debug_accounting": "KVLEASE_DEBUG_ACCOUNTING",
     "sample_seconds": "KVLEASE_SAMPLE_SECONDS",

@@ -1,4 +1,9 @@
-"""kvlease inside vLLM 0.32's V1 scheduler: the only module that knows vLLM internals.
+"""kvlease inside vLLM 0.32's V1 scheduler: the scheduler adapter.
+
+One of the three modules that import vLLM (besides the version check in
+`engine.runtime`): this one, the launcher `server.serve` and the stat-logger
+plugin `exporters.stat_logger`. The policy it applies lives in plain Python
+(`engine.policy`, `engine.leases`, `engine.free_queue`, `engine.waiting_queue`).
 
 Load it with `scheduler_cls="engine.vllm_scheduler.TenantAwareScheduler"`; where
 vLLM schedules asynchronously that builds `TenantAwareAsyncScheduler`. It overrides
@@ -39,17 +44,23 @@ from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy  # n
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from engine.accounting import TenantAccounting, TenantBlocks  # noqa: E402
+from engine.accounting import TenantAccounting  # noqa: E402
+from engine.channel import Publisher  # noqa: E402
 from engine.events import (  # noqa: E402
+    EngineState,
     EventBuffer,
     Eviction,
+    Lease,
     LeaseEvent,
+    LeaseSummary,
+    Message,
     Preemption,
     RequestDone,
-    event_dict,
+    TenantHolding,
+    Totals,
 )
 from engine.free_queue import FIRST_LEASED, Holder, TenantFreeBlockQueue  # noqa: E402
-from engine.labels import TenantLabels  # noqa: E402
+from engine.labels import UNCLASSIFIED, TenantLabels  # noqa: E402
 from engine.leases import LeaseBook  # noqa: E402
 from engine.policy import (  # noqa: E402
     Candidate,
@@ -62,7 +73,6 @@ from engine.policy import (  # noqa: E402
 )
 from engine.settings import SchedulerSettings  # noqa: E402
 from engine.waiting_queue import TenantWaitingQueue  # noqa: E402
-from exporters.channel import Publisher  # noqa: E402
 
 logger = logging.getLogger("kvlease.scheduler")
 
@@ -81,7 +91,7 @@ class Tenancy:
     bucket: int  # waiting-queue rank: tier order, unclassified last
     seq: int
     holder: Holder | None
-    discarded_tokens: int = 0
+    recomputed_tokens: int = 0
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
     lru_key: tuple | None = None  # keep_key under `lru`: fixed for the request's life
 
@@ -110,15 +120,36 @@ class _RunningList(list):
 
 
 class TenantSchedulingMixin:
-    """Tenant-aware preemption, lease-protected prefixes and accounting for a vLLM Scheduler."""
+    """Tenant-aware preemption, lease-protected prefixes and accounting for a vLLM Scheduler.
+
+    State and its invariants (checked by the synthetic and real-engine tests; with
+    `debug_accounting` the block books are checked every step):
+    - `_tenancy`: request id -> `Tenancy`, for exactly the requests vLLM holds (waiting,
+      running or preempted); added in `add_request`, removed in `_free_request`. O(1) per
+      lookup; memory O(requests).
+    - `_holders`: (tenant, session) -> `Holder`, the owner of that session's cached blocks in
+      the free queue. A holder exists while it has a request in flight, a running lease, or
+      cached blocks (`_forget_if_idle` drops it otherwise), so memory is O(live sessions +
+      sessions with cached blocks), never O(sessions ever seen).
+    - `running`: a `_RunningList` in keep-first order (`engine.policy.keep_key`), so
+      `running[-1]` is always the policy's first victim. Admission is an O(log n) search
+      plus an O(n) memmove; under `lru` each request's key is computed once.
+    - `waiting`: a `TenantWaitingQueue` (tier order, FIFO within a tier), O(1) per
+      operation but `remove_request`.
+    - `accounting` holds cumulative totals, exact whatever happens to `events`
+      (bounded; overflow counted in `events.dropped`).
+    Per step the mixin adds O(1) work plus, only when the pool may run short, the
+    admission check over the tail of `running`; sampling walks held blocks every
+    `sample_seconds`, off the per-step path.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.kvlease = SchedulerSettings.load(self.vllm_config.additional_config)
-        tiers = self.kvlease.tiers
+        self.settings = SchedulerSettings.load(self.vllm_config.additional_config)
+        tiers = self.settings.tiers
         self.clock = time.monotonic
         self.leases = LeaseBook(clock=lambda: self.clock())
-        self.events = EventBuffer(self.kvlease.event_capacity)
+        self.events = EventBuffer(self.settings.event_capacity)
         self.accounting = TenantAccounting()
         self._label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
         self._tenant_tiers: dict[str, str] = {}  # tenant label -> the tier it last came with
@@ -141,14 +172,14 @@ class TenantSchedulingMixin:
         usable = pool.num_gpu_blocks - 1  # vLLM's null block is never handed out
         self._caps = [leased_cap_blocks(t.leased_cache_cap, usable) for t in leased]
         self._free_queue = self._install_free_queue()
-        self._cost = _cost_model(self.vllm_config, self.kvlease)
+        self._cost = _cost_model(self.vllm_config, self.settings)
         self._publisher = Publisher.from_env()
-        self._unsent: list[dict] = []
+        self._unsent: list[Message] = []
         self._offload_available = self.vllm_config.kv_transfer_config is not None
         logger.info(
             "kvlease scheduler: tiers %s, victim rule %s, pool %d blocks, leased caps %s",
             list(tiers),
-            self.kvlease.victim_rule.value,
+            self.settings.victim_rule.value,
             usable,
             dict(zip(self._lease_segment, self._caps, strict=True)),
         )
@@ -180,7 +211,7 @@ class TenantSchedulingMixin:
         request lives (its class, arrival, seq), so it is computed once: admission is a
         binary search over cached keys."""
         t = self._tenancy[request.request_id]
-        lru = self.kvlease.victim_rule is VictimRule.LRU
+        lru = self.settings.victim_rule is VictimRule.LRU
         if lru and t.lru_key is not None:
             return t.lru_key
         key = keep_key(
@@ -192,7 +223,7 @@ class TenantSchedulingMixin:
                 computed_tokens=request.num_computed_tokens,
                 seq=t.seq,
             ),
-            self.kvlease.victim_rule,
+            self.settings.victim_rule,
         )
         if lru:
             t.lru_key = key
@@ -222,7 +253,7 @@ class TenantSchedulingMixin:
         args = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
         tenant_id, tier_name = args.get("tenant_id"), args.get("tier")
         session_id = args.get("session_id")
-        tiers = self.kvlease.tiers
+        tiers = self.settings.tiers
         if not isinstance(tenant_id, str) or not tenant_id or tier_name not in tiers:
             if tenant_id is not None:
                 logger.warning(
@@ -262,12 +293,12 @@ class TenantSchedulingMixin:
     # -- scheduling ------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
-        if self.clock() - self._last_sample >= self.kvlease.sample_seconds:
+        if self.clock() - self._last_sample >= self.settings.sample_seconds:
             # Close the interval before this step allocates: after an idle spell the
             # holdings now are what the idle engine held, not what this step will take.
             self.sample_accounting()
         self._expire_leases()
-        if self.kvlease.victim_rule is VictimRule.LEAST_WORK and self._pool_may_run_short():
+        if self.settings.victim_rule is VictimRule.LEAST_WORK and self._pool_may_run_short():
             self.running.sort(key=self._keep_key)
         held = self._make_room_for_waiting()
         try:
@@ -283,10 +314,10 @@ class TenantSchedulingMixin:
         # Sample on the clock, and whenever the engine goes idle: no step follows
         # to report the final picture.
         sample_due = (
-            self.clock() - self._last_sample >= self.kvlease.sample_seconds
+            self.clock() - self._last_sample >= self.settings.sample_seconds
             or not self.has_requests()
         )
-        if self.kvlease.debug_accounting or sample_due:
+        if self.settings.debug_accounting or sample_due:
             self.sample_accounting()
         if self._publisher is not None:
             self._publish(with_state=sample_due)
@@ -305,19 +336,17 @@ class TenantSchedulingMixin:
         `fresh` samples the accounting for the snapshot; update_from_output has
         just sampled, an abort between steps has not.
         """
-        events = [event_dict(e) for e in self.events.drain()]
+        events = self.events.drain()
         if not (events or with_state or self._unsent):
             return
-        message: dict[str, Any] = {"events": events}
-        if with_state:
-            message["state"] = self.state(sample=fresh)
+        message = Message(events, self.state(sample=fresh) if with_state else None)
         pending = [*self._unsent, message]
         while pending and self._publisher.send(pending[0]):
             pending.pop(0)
-        overflow = sum(len(m["events"]) for m in pending) - self.kvlease.event_capacity
+        overflow = sum(len(m.events) for m in pending) - self.settings.event_capacity
         while overflow > 0 and pending:  # the API process is not reading: bound the backlog
-            self.events.dropped += len(pending[0]["events"])
-            overflow -= len(pending.pop(0)["events"])
+            self.events.dropped += len(pending[0].events)
+            overflow -= len(pending.pop(0).events)
         self._unsent = pending
 
     def _pool_may_run_short(self) -> bool:
@@ -379,7 +408,7 @@ class TenantSchedulingMixin:
             blocks, self.block_size, tokens, self._cost, self._offload_available
         )
         super()._preempt_request(request, timestamp, drop_stale_output=drop_stale_output)
-        t.discarded_tokens += tokens
+        t.recomputed_tokens += tokens
         if decision.mode == "offload":
             t.offloaded_blocks = blocks
             self.accounting.offloaded_blocks[self._label(t.tenant_id)] += blocks
@@ -436,7 +465,7 @@ class TenantSchedulingMixin:
                 t.session_id,
                 request.status.name.lower(),
                 request.num_preemptions,
-                t.discarded_tokens,
+                t.recomputed_tokens,
                 self.accounting.request_done(request.request_id),
                 request.num_prompt_tokens,
                 request.num_output_tokens,
@@ -526,7 +555,7 @@ class TenantSchedulingMixin:
         """Occupancy by tenant and state now; integrates block-seconds; checks the books."""
         now = self.clock()
         self._last_sample = now
-        tenants: dict[str | None, TenantBlocks] = {}
+        tenants: dict[str, TenantHolding] = {}
         seen: set[int] = set()
         request_blocks: dict[str, int] = {}
         get_blocks = self.kv_cache_manager.coordinator.get_blocks
@@ -543,11 +572,11 @@ class TenantSchedulingMixin:
                         first_seen += 1
             if held_by_request:
                 request_blocks[request_id] = held_by_request
-                held = tenants.setdefault(self._label(t.tenant_id), TenantBlocks())
+                held = tenants.setdefault(self._label(t.tenant_id), TenantHolding())
                 held.running += first_seen
         for holder in self._holders.values():
             if holder.cached or holder.leased:
-                held = tenants.setdefault(self._label(holder.tenant_id), TenantBlocks())
+                held = tenants.setdefault(self._label(holder.tenant_id), TenantHolding())
                 held.cached += holder.cached
                 held.cached_leased += holder.leased
         return self.accounting.sample(
@@ -557,11 +586,11 @@ class TenantSchedulingMixin:
             referenced_blocks=len(seen),
             tenants=tenants,
             request_blocks=request_blocks,
-            check=self.kvlease.debug_accounting,
+            check=self.settings.debug_accounting,
         )
 
-    def state(self, sample: bool = True) -> dict[str, Any]:
-        """A JSON-ready picture of the pool, leases, queues and cumulative totals.
+    def state(self, sample: bool = True) -> EngineState:
+        """The pool, leases, queues and cumulative totals, for the API process.
 
         `expires_at` is on the machine's monotonic clock, which every process
         shares, so a reader can count seconds left itself; `seconds_left` is
@@ -571,61 +600,61 @@ class TenantSchedulingMixin:
         if sample or snap is None:
             snap = self.sample_accounting()
         now = self.clock()
-        leases = []
-        summary: dict[str, dict[str, float]] = {}
+        leases, summary = self._leases(now)
+        acc = self.accounting
+        return EngineState(
+            at=now,
+            pool_blocks=snap.pool_blocks,
+            free_blocks=snap.free_blocks,
+            tenants=snap.tenants,
+            tenant_tiers=dict(self._tenant_tiers),
+            leases=leases,
+            leases_total=len(self.leases.sessions()),
+            lease_summary=summary,
+            running=len(self.running),
+            waiting=len(self.waiting),
+            waiting_by_tier=dict(
+                zip([*self.settings.tiers, UNCLASSIFIED], self.waiting.bucket_sizes(), strict=True)
+            ),
+            events_dropped=self.events.dropped,
+            totals=Totals(
+                preemptions=[(*k, n) for k, n in acc.preemptions.items()],
+                preempted_blocks=[(*k, n) for k, n in acc.preempted_blocks.items()],
+                recomputed_tokens=list(acc.recomputed_tokens.items()),
+                evicted_blocks=[(*k, n) for k, n in acc.evicted_blocks.items()],
+                block_seconds=list(acc.block_seconds.items()),
+                offloaded_blocks=list(acc.offloaded_blocks.items()),
+            ),
+        )
+
+    def _leases(self, now: float) -> tuple[list[Lease], dict[str, LeaseSummary]]:
+        """The first MAX_LEASES_LISTED leases, and a summary per tenant label of all."""
+        leases: list[Lease] = []
+        summary: dict[str, LeaseSummary] = {}
         for session in self.leases.sessions():
             tenant_id, session_id = session
             holder = self._holders.get(session)
             left = self.leases.seconds_left(session)
-            label = summary.setdefault(
-                self._label(tenant_id), {"active": 0, "seconds_left_max": 0.0}
+            in_flight = left == float("inf")
+            tenant = summary.setdefault(self._label(tenant_id), LeaseSummary())
+            tenant.active += 1
+            full = self.settings.tiers[holder.tier].lease_seconds if holder and holder.tier else 0.0
+            tenant.seconds_left_max = max(
+                tenant.seconds_left_max, full if in_flight else (left or 0.0)
             )
-            label["active"] += 1
-            full = self.kvlease.tiers[holder.tier].lease_seconds if holder and holder.tier else 0.0
-            label["seconds_left_max"] = max(
-                label["seconds_left_max"], full if left == float("inf") else (left or 0.0)
-            )
-            if len(leases) >= MAX_LEASES_LISTED:
-                continue
-            leases.append(
-                {
-                    "tenant_id": tenant_id,
-                    "session_id": session_id,
-                    "tier": holder.tier if holder else None,
-                    "in_flight": left == float("inf"),
-                    "expires_at": None if left is None or left == float("inf") else now + left,
-                    "seconds_left": None if left == float("inf") else left,
-                    "cached_leased_blocks": holder.leased if holder else 0,
-                }
-            )
-        acc = self.accounting
-        return {
-            "at": now,
-            "pool_blocks": snap.pool_blocks,
-            "free_blocks": snap.free_blocks,
-            "tenants": {
-                tenant: {"running": b.running, "cached_leased": b.cached_leased, "cached": b.cached}
-                for tenant, b in snap.tenants.items()
-            },
-            "tenant_tiers": dict(self._tenant_tiers),
-            "leases": leases,
-            "leases_total": len(self.leases.sessions()),
-            "lease_summary": summary,
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "waiting_by_tier": dict(
-                zip([*self.kvlease.tiers, None], self.waiting.bucket_sizes(), strict=True)
-            ),
-            "events_dropped": self.events.dropped,
-            "totals": {
-                "preemptions": [[*k, n] for k, n in acc.preemptions.items()],
-                "preempted_blocks": [[*k, n] for k, n in acc.preempted_blocks.items()],
-                "discarded_tokens": [[t, n] for t, n in acc.discarded_tokens.items()],
-                "evicted_blocks": [[*k, n] for k, n in acc.evicted_blocks.items()],
-                "block_seconds": [[t, s] for t, s in acc.block_seconds.items()],
-                "offloaded_blocks": [[t, n] for t, n in acc.offloaded_blocks.items()],
-            },
-        }
+            if len(leases) < MAX_LEASES_LISTED:
+                leases.append(
+                    Lease(
+                        tenant_id=tenant_id,
+                        session_id=session_id,
+                        tier=holder.tier if holder else None,
+                        in_flight=in_flight,
+                        expires_at=None if left is None or in_flight else now + left,
+                        seconds_left=None if in_flight else left,
+                        cached_leased_blocks=holder.leased if holder else 0,
+                    )
+                )
+        return leases, summary
 
 
 def _cost_model(vllm_config: Any, settings: SchedulerSettings) -> CostModel:

@@ -1,1 +1,3 @@
-"""Everything that leaves the engine process: metrics, traces, the usage ledger."""
+"""Everything kvlease does in vLLM's API process with what the engine tells it: the request
+join, the engine view and its history, metrics, tracing, the usage ledger and its writer,
+billing, and the stat-logger plugin. `exporters.telemetry` starts and stops them all."""

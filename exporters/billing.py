@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from engine.tenancy import TierTable
-from exporters.usage import UsageRecord
+from exporters.ledger import UsageRecord
 
 GRANULARITIES = ("hour", "day", "month")
 FOCUS_COLUMNS = (

@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from engine.events import EngineState, Eviction, Preemption
+
 Label = Callable[[str | None], str]
 
 
@@ -41,7 +43,7 @@ class History:
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._lock = threading.Lock()
 
-    def add_state(self, state: dict[str, Any], wall: float | None = None) -> None:
+    def add_state(self, state: EngineState, wall: float | None = None) -> None:
         wall = time.time() if wall is None else wall
         with self._lock:
             if self._samples and wall - self._samples[-1]["t"] < self.every:
@@ -49,34 +51,34 @@ class History:
             self._samples.append(
                 {
                     "t": wall,
-                    "pool_blocks": state["pool_blocks"],
-                    "free_blocks": state["free_blocks"],
+                    "pool_blocks": state.pool_blocks,
+                    "free_blocks": state.free_blocks,
                     "tenants": {
-                        tenant: [b["running"], b["cached_leased"], b["cached"]]
-                        for tenant, b in state["tenants"].items()
-                        if b["running"] or b["cached_leased"] or b["cached"]
+                        tenant: [b.running, b.cached_leased, b.cached]
+                        for tenant, b in state.tenants.items()
+                        if b.running or b.cached_leased or b.cached
                     },
                 }
             )
 
-    def add_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("type")
-        if kind == "Preemption":
-            reason = event["reason"]
-        elif kind == "Eviction":
-            reason = "leased_cache_eviction" if event["leased"] else "cache_eviction"
+    def add_event(self, event: object) -> None:
+        if isinstance(event, Preemption):
+            kind, reason = "preemption", event.reason
+        elif isinstance(event, Eviction):
+            kind = "eviction"
+            reason = "leased_cache_eviction" if event.leased else "cache_eviction"
         else:
             return
-        wall = time.time() - max(0.0, time.monotonic() - event["at"])
+        wall = time.time() - max(0.0, time.monotonic() - event.at)
         with self._lock:
             self._events.append(
                 {
                     "t": wall,
-                    "kind": kind.lower(),
-                    "tenant_id": self.label(event["tenant_id"]),
-                    "tier": event["tier"],
+                    "kind": kind,
+                    "tenant_id": self.label(event.tenant_id),
+                    "tier": event.tier,
                     "reason": reason,
-                    "blocks": event["blocks"],
+                    "blocks": event.blocks,
                 }
             )
 

@@ -1,167 +1,168 @@
-"""The API process's ledger writer: one usage record per finished request, group-committed.
+"""The usage ledger: one durable record per finished request, for billing.
 
-A `RequestJoin` consumer turns each finished request into a `UsageRecord`
-and queues it; a writer thread commits queues in batches (group commit: one
-transaction for everything that arrived together), so the event loop never
-waits on the database. TenantMiddleware holds a generation response's last
-body chunk until that request's record has committed (`committed()`), at
-most `KVLEASE_LEDGER_WAIT_SECONDS` (5): a client that received a complete
-response can rely on its record being in the ledger, even across a crash.
+SQLAlchemy Core over SQLite (WAL; the embedded default) or PostgreSQL (one
+ledger for many replicas: the same code, a `postgresql://` URL). The request
+id is the primary key and the idempotency key: writing a record twice, or
+replaying records after a crash, changes nothing. The schema is versioned;
+`migrate()` applies what a database lacks, in order, in one transaction.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
-import queue
-import threading
-import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
 
-from engine.labels import UNCLASSIFIED
-from exporters.metrics import OUTCOMES
-from exporters.requests import JOIN, FinishedRequest
-from exporters.usage import DB_ENV, UsageLedger, UsageRecord
+from sqlalchemy import (
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    event,
+    select,
+    text,
+)
+from sqlalchemy.engine import Engine
 
-WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
-logger = logging.getLogger("kvlease.ledger")
-STATUS_OUTCOMES = {"finished_aborted": "aborted", "finished_error": "failed"}
+from engine.paths import kvlease_home
 
-
-def to_record(p: FinishedRequest) -> UsageRecord:
-    stats, done, entry = p.stats, p.done or {}, p.entry
-    ctx = entry.ctx if entry is not None else None
-    now = time.time()
-    started = (
-        entry.started_ns / 1e9 if entry is not None else now - (stats.e2e_latency if stats else 0.0)
-    )
-    if stats is not None:
-        outcome = OUTCOMES.get(int(stats.finish_reason), "failed")
-    else:
-        outcome = STATUS_OUTCOMES.get(done.get("status", ""), "completed")
-    return UsageRecord(
-        request_id=p.key,
-        tenant_id=(ctx.tenant_id if ctx else done.get("tenant_id")) or UNCLASSIFIED,
-        tier=ctx.tier if ctx else done.get("tier"),
-        session_id=ctx.session_id if ctx else done.get("session_id"),
-        model=(entry.model if entry is not None else None) or "unknown",
-        started_at=started,
-        ended_at=started + stats.e2e_latency if stats else (p.ended_at or now),
-        input_tokens=stats.num_prompt_tokens if stats else done.get("prompt_tokens", 0),
-        cached_input_tokens=stats.num_cached_tokens if stats else 0,
-        output_tokens=stats.num_generation_tokens if stats else done.get("output_tokens", 0),
-        recomputed_tokens=done.get("discarded_tokens", 0),
-        preemptions=stats.num_preemptions if stats else done.get("preemptions", 0),
-        kv_block_seconds=done.get("block_seconds", 0.0),
-        outcome=outcome,
-    )
+DB_ENV = "KVLEASE_USAGE_DB"
 
 
-class LedgerWriter:
-    """Queue in, batches out. Records are never dropped on a failed commit: the batch is
-    retried (writes are idempotent) and `write_errors` counts the failures."""
+@dataclass(frozen=True)
+class UsageRecord:
+    """One finished request. Times are UTC epoch seconds."""
 
-    def __init__(self, ledger: UsageLedger, batch: int = 512) -> None:
-        self.ledger = ledger
-        self.batch = batch
-        self.write_errors = 0
-        self.written = 0
-        self._queue: queue.Queue[UsageRecord | None] = queue.Queue()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._committed_early: set[str] = set()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="kvlease-ledger", daemon=True)
-        self._thread.start()
+    request_id: str
+    tenant_id: str
+    tier: str | None
+    session_id: str | None
+    model: str
+    started_at: float
+    ended_at: float
+    input_tokens: int
+    cached_input_tokens: int
+    output_tokens: int
+    recomputed_tokens: int
+    preemptions: int
+    kv_block_seconds: float
+    outcome: str
 
-    def __call__(self, finished: FinishedRequest) -> None:
-        self._queue.put(to_record(finished))
 
-    def expect(self, request_id: str) -> asyncio.Future:
-        """A future resolved when `request_id`'s record commits (call on the event loop)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        with self._lock:
-            if request_id in self._committed_early:
-                self._committed_early.discard(request_id)
-                future.set_result(True)
-            else:
-                self._waiters[request_id] = (loop, future)
-        return future
+metadata = MetaData()
+records = Table(
+    "usage_records",
+    metadata,
+    Column("request_id", String(200), primary_key=True),
+    Column("tenant_id", String(128), nullable=False),
+    Column("tier", String(32)),
+    Column("session_id", String(128)),
+    Column("model", String(200), nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("ended_at", Float, nullable=False),
+    Column("input_tokens", Integer, nullable=False),
+    Column("cached_input_tokens", Integer, nullable=False),
+    Column("output_tokens", Integer, nullable=False),
+    Column("recomputed_tokens", Integer, nullable=False),
+    Column("preemptions", Integer, nullable=False),
+    Column("kv_block_seconds", Float, nullable=False),
+    Column("outcome", String(16), nullable=False),
+)
+# Version -> statements. Append, never edit: a database at version N runs N+1.. only.
+MIGRATIONS: dict[int, Sequence[str]] = {
+    1: (
+        "CREATE TABLE IF NOT EXISTS usage_records ("
+        " request_id VARCHAR(200) PRIMARY KEY, tenant_id VARCHAR(128) NOT NULL,"
+        " tier VARCHAR(32), session_id VARCHAR(128), model VARCHAR(200) NOT NULL,"
+        " started_at FLOAT NOT NULL, ended_at FLOAT NOT NULL, input_tokens INTEGER NOT NULL,"
+        " cached_input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL,"
+        " recomputed_tokens INTEGER NOT NULL, preemptions INTEGER NOT NULL,"
+        " kv_block_seconds FLOAT NOT NULL, outcome VARCHAR(16) NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS usage_records_tenant_end ON usage_records"
+        " (tenant_id, ended_at)",
+        "CREATE INDEX IF NOT EXISTS usage_records_end ON usage_records (ended_at)",
+    ),
+}
+SCHEMA_VERSION = max(MIGRATIONS)
+assert [c.name for c in records.columns] == [f.name for f in fields(UsageRecord)]
 
-    def forget(self, request_id: str) -> None:
-        with self._lock:
-            self._waiters.pop(request_id, None)
-            self._committed_early.discard(request_id)
 
-    def _run(self) -> None:
-        stop = False
-        while not stop:
-            first = self._queue.get()
-            batch = [] if first is None else [first]
-            stop = first is None
-            while len(batch) < self.batch:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            if batch:
-                self._commit(batch)
+def default_url() -> str:
+    return os.environ.get(DB_ENV) or f"sqlite:///{kvlease_home() / 'usage.db'}"
 
-    def _commit(self, batch: list[UsageRecord]) -> None:
-        delay = 0.5
-        while True:
-            try:
-                self.ledger.write(batch)
-                break
-            except Exception:
-                self.write_errors += 1
-                logger.exception(
-                    "kvlease ledger: commit of %d records failed; retrying", len(batch)
+
+class UsageLedger:
+    """A ledger database. Thread-safe (SQLAlchemy pools connections); writes are
+    batched by the caller (`exporters.writer`)."""
+
+    def __init__(self, url: str | None = None) -> None:
+        self.url = url or default_url()
+        if self.url.startswith("sqlite:///"):
+            path = self.url.removeprefix("sqlite:///")
+            if path and path != ":memory:":
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        elif self.url.startswith("postgresql://"):
+            self.url = "postgresql+psycopg://" + self.url.removeprefix("postgresql://")
+        self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
+        if self.engine.dialect.name == "sqlite":
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self.migrate()
+
+    def migrate(self) -> int:
+        """Bring the schema to SCHEMA_VERSION; returns the version it found."""
+        with self.engine.begin() as conn:
+            conn.execute(text("CREATE TABLE IF NOT EXISTS kvlease_schema (version INTEGER)"))
+            found = conn.execute(text("SELECT max(version) FROM kvlease_schema")).scalar() or 0
+            for version in sorted(v for v in MIGRATIONS if v > found):
+                for statement in MIGRATIONS[version]:
+                    conn.execute(text(statement))
+                conn.execute(
+                    text("INSERT INTO kvlease_schema (version) VALUES (:v)"), {"v": version}
                 )
-                time.sleep(delay)
-                delay = min(delay * 2, 10.0)
-        self.written += len(batch)
-        with self._lock:
-            for record in batch:
-                waiter = self._waiters.pop(record.request_id, None)
-                if waiter is None:
-                    self._committed_early.add(record.request_id)
-                    continue
-                loop, future = waiter
-                loop.call_soon_threadsafe(_resolve, future)
-            if len(self._committed_early) > 100_000:  # records no response waited for
-                self._committed_early.clear()
+        return found
 
-    def close(self, timeout: float = 10.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
+    def write(self, batch: Iterable[UsageRecord]) -> int:
+        """Insert records, skipping request ids already present. One transaction."""
+        rows = [asdict(r) for r in batch]
+        if not rows:
+            return 0
+        dialect = self.engine.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert
+        statement = (
+            insert(records)
+            .on_conflict_do_nothing(index_elements=["request_id"])
+            .returning(records.c.request_id)
+        )
+        with self.engine.begin() as conn:
+            return len(conn.execute(statement, rows).all())  # the rows actually inserted
 
+    def read(
+        self, start: float, end: float, tenants: Sequence[str] = (), batch: int = 5000
+    ) -> Iterator[UsageRecord]:
+        """Records ended in [start, end), by tenant, model, end time; streamed."""
+        query = select(records).where(records.c.ended_at >= start, records.c.ended_at < end)
+        if tenants:
+            query = query.where(records.c.tenant_id.in_(list(tenants)))
+        query = query.order_by(records.c.tenant_id, records.c.model, records.c.ended_at)
+        with self.engine.connect().execution_options(stream_results=True) as conn:
+            for chunk in conn.execute(query).partitions(batch):
+                for row in chunk:
+                    yield UsageRecord(*row)  # the table's columns are the record's fields
 
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(True)
-
-
-WRITER: LedgerWriter | None = None
-
-
-def wait_seconds() -> float:
-    return float(os.environ.get(WAIT_ENV, "5"))
-
-
-def install() -> LedgerWriter | None:
-    """Start the writer when a ledger is configured (`KVLEASE_USAGE_DB`; kvlease serve sets it)."""
-    global WRITER
-    if WRITER is None and os.environ.get(DB_ENV):
-        WRITER = LedgerWriter(UsageLedger(os.environ[DB_ENV]))
-        JOIN.consumers.append(WRITER)
-    return WRITER
+    def count(self) -> int:
+        with self.engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM usage_records")).scalar() or 0
 
 
-def shutdown() -> None:
-    if WRITER is not None:
-        WRITER.close()
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")  # a committed record survives a crash
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()

@@ -3,33 +3,36 @@
 They join vLLM's own on the server's `/metrics` (vLLM's families are named
 `vllm:...`, kvlease's `vllm_tenant_...`). Engine-side numbers (blocks,
 leases, preemptions, evictions, block-seconds, recomputed tokens) are the
-scheduler's cumulative totals from its latest snapshot (`exporters.channel`),
+scheduler's cumulative totals from its latest snapshot (`engine.channel`),
 so they are exact, whatever happens to individual events. Per-request numbers
 (tokens, outcomes, latencies) come from vLLM's own `FinishedRequestStats`
-through the stat-logger plugin (`exporters.stats`), so they equal vLLM's own
+through the stat-logger plugin (`exporters.stat_logger`), so they equal vLLM's own
 counters. Tenant labels are bounded by `engine.labels.TenantLabels`.
+
+Dashboards, alert rules and the Streamlit page take these names from here
+(`Family.name`, `Family.series`): no other file types a metric name.
 """
 
 from __future__ import annotations
 
 import bisect
-import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import (
-    REGISTRY,
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
 
+from engine.events import EngineState, TenantHolding
 from engine.labels import UNCLASSIFIED, TenantLabels
 from engine.tenancy import TierTable
-from exporters.engine_view import VIEW, EngineView
+from exporters.join import finish_outcome
+from exporters.view import EngineView
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,16 @@ class Family:
     help: str
     labels: tuple[str, ...] = ()
 
+    @property
+    def family(self) -> str:
+        """The family name a text-format parser gives (a counter's loses `_total`)."""
+        return self.name.removesuffix("_total")
+
+    @property
+    def bucket(self) -> str:
+        """A histogram's bucket series, for `histogram_quantile`."""
+        return f"{self.name}_bucket"
+
 
 KV_BLOCKS = Family(
     "vllm_tenant_kv_blocks",
@@ -47,6 +60,7 @@ KV_BLOCKS = Family(
     "cached_leased (its cached prefixes protected by a lease), cached (its evictable prefixes).",
     ("tenant_id", "state"),
 )
+BLOCK_STATES = TenantHolding.__struct_fields__  # KV_BLOCKS's `state` values, in stack order
 POOL_BLOCKS = Family("vllm_tenant_kv_pool_blocks", "gauge", "Usable KV blocks in the pool.")
 FREE_BLOCKS = Family(
     "vllm_tenant_kv_free_blocks",
@@ -178,13 +192,11 @@ FAMILIES = (
     EVENTS_DROPPED,
 )
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-OUTCOMES = {0: "completed", 1: "completed", 2: "aborted", 3: "failed", 4: "completed"}
-_REQUEST_ID = re.compile(r"kvl-[0-9a-f]{32}")
 
 
 def _family(f: Family) -> Metric:
     if f.kind == "counter":
-        return CounterMetricFamily(f.name.removesuffix("_total"), f.help, labels=f.labels)
+        return CounterMetricFamily(f.family, f.help, labels=f.labels)
     if f.kind == "gauge":
         return GaugeMetricFamily(f.name, f.help, labels=f.labels)
     return HistogramMetricFamily(f.name, f.help, labels=f.labels)
@@ -210,8 +222,15 @@ class _Histogram:
 class TenantMetrics:
     """The collector: per-request numbers kept here, engine numbers read from the view."""
 
-    def __init__(self, view: EngineView, tiers: TierTable, labels: TenantLabels) -> None:
+    def __init__(
+        self,
+        view: EngineView,
+        tiers: TierTable,
+        labels: TenantLabels,
+        ledger_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+    ) -> None:
         self.view, self.tiers, self.labels = view, tiers, labels
+        self.ledger_counts = ledger_counts  # (records written, failed commits)
         self._lock = threading.Lock()
         self._tokens: Counter[tuple[str, str]] = Counter()
         self._requests: Counter[tuple[str, str]] = Counter()
@@ -225,7 +244,7 @@ class TenantMetrics:
             self._tokens[(label, "input")] += stats.num_prompt_tokens
             self._tokens[(label, "cached_input")] += stats.num_cached_tokens
             self._tokens[(label, "output")] += stats.num_generation_tokens
-            self._requests[(label, OUTCOMES.get(int(stats.finish_reason), "failed"))] += 1
+            self._requests[(label, finish_outcome(stats.finish_reason))] += 1
             self._ttft.setdefault(tier_label, _Histogram()).observe(
                 stats.queued_time + stats.prefill_time
             )
@@ -249,71 +268,41 @@ class TenantMetrics:
         for name, hists in ((TTFT.name, ttft), (E2E.name, e2e)):
             for tier, (buckets, total) in sorted(hists.items()):
                 fam[name].add_metric([tier], buckets, total)
-        from exporters import ledger  # imports this module: late, to break the cycle
-
-        writer = ledger.WRITER
-        fam[LEDGER_RECORDS.name].add_metric([], writer.written if writer else 0)
-        fam[LEDGER_ERRORS.name].add_metric([], writer.write_errors if writer else 0)
+        written, errors = self.ledger_counts()
+        fam[LEDGER_RECORDS.name].add_metric([], written)
+        fam[LEDGER_ERRORS.name].add_metric([], errors)
         yield from fam.values()
 
-    def _engine_families(self, fam: dict[str, Metric], state: dict, tokens: Counter) -> None:
-        totals = state["totals"]
-        fam[POOL_BLOCKS.name].add_metric([], state["pool_blocks"])
-        fam[FREE_BLOCKS.name].add_metric([], state["free_blocks"])
-        fam[EVENTS_DROPPED.name].add_metric([], state["events_dropped"])
-        fam[RUNNING.name].add_metric([], state["running"])
-        for tier, n in state["waiting_by_tier"].items():  # JSON made the None key "null"
-            fam[WAITING.name].add_metric([UNCLASSIFIED if tier in (None, "null") else tier], n)
-        offloaded = {t: n for t, n in totals["offloaded_blocks"]}
-        for tenant, held in sorted(state["tenants"].items()):
-            for kind in ("running", "cached_leased", "cached"):
-                fam[KV_BLOCKS.name].add_metric([tenant, kind], held[kind])
+    def _engine_families(self, fam: dict[str, Metric], state: EngineState, tokens: Counter) -> None:
+        totals = state.totals
+        fam[POOL_BLOCKS.name].add_metric([], state.pool_blocks)
+        fam[FREE_BLOCKS.name].add_metric([], state.free_blocks)
+        fam[EVENTS_DROPPED.name].add_metric([], state.events_dropped)
+        fam[RUNNING.name].add_metric([], state.running)
+        for tier, n in state.waiting_by_tier.items():
+            fam[WAITING.name].add_metric([tier], n)
+        offloaded = dict(totals.offloaded_blocks)
+        for tenant, held in sorted(state.tenants.items()):
+            for kind in BLOCK_STATES:
+                fam[KV_BLOCKS.name].add_metric([tenant, kind], getattr(held, kind))
             fam[SWAPPED_BLOCKS.name].add_metric([tenant], offloaded.get(tenant, 0))
-        for tenant, tier in sorted(state.get("tenant_tiers", {}).items()):
+        for tenant, tier in sorted(state.tenant_tiers.items()):
             fam[TENANT_INFO.name].add_metric([tenant, tier], 1)
-        for tenant, lease in sorted(state["lease_summary"].items()):
-            fam[LEASES_ACTIVE.name].add_metric([tenant], lease["active"])
-            fam[LEASE_SECONDS_LEFT.name].add_metric([tenant], lease["seconds_left_max"])
-        for tenant, tier, reason, mode, n in totals["preemptions"]:
+        for tenant, lease in sorted(state.lease_summary.items()):
+            fam[LEASES_ACTIVE.name].add_metric([tenant], lease.active)
+            fam[LEASE_SECONDS_LEFT.name].add_metric([tenant], lease.seconds_left_max)
+        for tenant, tier, reason, mode, n in totals.preemptions:
             fam[PREEMPTIONS.name].add_metric([tenant, str(tier), reason, mode], n)
-        for tenant, tier, reason, n in totals["preempted_blocks"]:
+        for tenant, tier, reason, n in totals.preempted_blocks:
             fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
-        for tenant, tier, leased, n in totals["evicted_blocks"]:
+        for tenant, tier, leased, n in totals.evicted_blocks:
             fam[CACHED_EVICTIONS.name].add_metric([tenant, str(tier), str(leased).lower()], n)
             reason = "leased_cache_eviction" if leased else "cache_eviction"
             fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
-        for tenant, seconds in totals["block_seconds"]:
+        for tenant, seconds in totals.block_seconds:
             fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
-        for tenant, n in totals["discarded_tokens"]:
+        for tenant, n in totals.recomputed_tokens:
             tokens[(tenant, "recomputed")] += n
 
     def _priority(self, tier: str | None) -> str:
         return str(self.tiers[tier].priority) if tier in self.tiers else "none"
-
-
-_installed: TenantMetrics | None = None
-_install_lock = threading.Lock()
-
-
-def install() -> TenantMetrics:
-    """Register kvlease's collector in prometheus_client's default registry, once per process."""
-    global _installed
-    with _install_lock:
-        if _installed is None:
-            _installed = TenantMetrics(VIEW, TierTable.load(), TenantLabels.from_env())
-            REGISTRY.register(_installed)
-        return _installed
-
-
-def kvlease_id(request_id: str | None) -> str | None:
-    """The `kvl-...` id TenantMiddleware issued, inside a vLLM engine request id."""
-    match = _REQUEST_ID.search(request_id or "")
-    return match.group(0) if match else None
-
-
-def in_flight(request_id: str | None):
-    """The middleware's InFlight entry for an engine request id, while the request is here."""
-    from engine.server import IN_FLIGHT
-
-    key = kvlease_id(request_id)
-    return IN_FLIGHT.get(key) if key else None

@@ -5,7 +5,7 @@ out through the standard OTLP exporter settings (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_PROTOCOL` =
 `http/protobuf` (default) or `grpc`, headers, timeouts, `OTEL_SERVICE_NAME`).
 
-Spans are built from `exporters.requests.FinishedRequest`s: vLLM's stats
+Spans are built from `exporters.join.FinishedRequest`s: vLLM's stats
 joined with the scheduler's events by request id. The parent is the
 request's incoming `traceparent` header, when it had one. Tokens and keys
 never become attributes.
@@ -14,14 +14,14 @@ never become attributes.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from exporters.requests import JOIN, FinishedRequest
+from engine.events import LeaseEvent, Preemption
+from exporters.join import FINISH_REASONS, FinishedRequest, RequestJoin
 
 ENABLE_ENV = "KVLEASE_OTEL"
 OPERATIONS = {
@@ -30,7 +30,6 @@ OPERATIONS = {
     "/v1/messages": "chat",
     "/v1/completions": "text_completion",
 }
-FINISH_REASONS = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "repetition"}
 
 
 class SpanBuilder:
@@ -42,7 +41,7 @@ class SpanBuilder:
     def __call__(self, p: FinishedRequest) -> None:
         if p.stats is None:
             return  # no vLLM stats (a request that never produced output): no span
-        stats, entry, done = p.stats, p.entry, p.done or {}
+        stats, entry, done = p.stats, p.entry, p.done
         end_ns = entry.started_ns + int(stats.e2e_latency * 1e9) if entry else time.time_ns()
         start_ns = entry.started_ns if entry else end_ns - int(stats.e2e_latency * 1e9)
         operation = OPERATIONS.get(entry.path, "generate_content") if entry else "generate_content"
@@ -66,11 +65,11 @@ class SpanBuilder:
             attributes["kvlease.tier"] = ctx.tier
             if ctx.session_id:
                 attributes["kvlease.session_id"] = ctx.session_id
-        if done:
-            attributes["kvlease.kv_block_seconds"] = done["block_seconds"]
-            attributes["kvlease.recomputed_tokens"] = done["discarded_tokens"]
+        if done is not None:
+            attributes["kvlease.kv_block_seconds"] = done.block_seconds
+            attributes["kvlease.recomputed_tokens"] = done.recomputed_tokens
         attributes["kvlease.lease_active"] = any(
-            e["type"] == "LeaseEvent" and e["kind"] in ("start", "renew") for e in p.events
+            isinstance(e, LeaseEvent) and e.kind in ("start", "renew") for e in p.events
         )
         span = self.tracer.start_span(
             f"{operation} {model}",
@@ -84,54 +83,46 @@ class SpanBuilder:
         span.end(end_time=max(end_ns, start_ns))
 
 
-def _span_event(event: dict) -> tuple[str, dict, int]:
+def _span_event(event: Preemption | LeaseEvent) -> tuple[str, dict, int]:
     """(name, attributes, wall-clock ns) for an engine event stamped on the monotonic clock."""
-    at_ns = time.time_ns() - int((time.monotonic() - event["at"]) * 1e9)
-    if event["type"] == "Preemption":
+    at_ns = time.time_ns() - int((time.monotonic() - event.at) * 1e9)
+    if isinstance(event, Preemption):
         attributes = {
-            "kvlease.preemption.reason": event["reason"],
-            "kvlease.preemption.mode": event["mode"],
-            "kvlease.preemption.blocks": event["blocks"],
-            "kvlease.preemption.discarded_tokens": event["discarded_tokens"],
+            "kvlease.preemption.reason": event.reason,
+            "kvlease.preemption.mode": event.mode,
+            "kvlease.preemption.blocks": event.blocks,
+            "kvlease.preemption.recomputed_tokens": event.recomputed_tokens,
         }
         return "kvlease.preemption", attributes, at_ns
-    attributes = {"kvlease.lease.kind": event["kind"], "kvlease.tier": event["tier"]}
-    return f"kvlease.lease.{event['kind']}", attributes, at_ns
-
-
-_provider: Any = None
-_lock = threading.Lock()
+    attributes = {"kvlease.lease.kind": event.kind, "kvlease.tier": event.tier}
+    return f"kvlease.lease.{event.kind}", attributes, at_ns
 
 
 def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").lower() in ("1", "true", "yes", "on")
 
 
-def install() -> None:
-    """Add span building to the request join, exporting over OTLP, when tracing is on."""
-    global _provider
-    with _lock:
-        if _provider is not None or not enabled():
-            return
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+def install(join: RequestJoin) -> Any:
+    """Add span building to `join`, exporting over OTLP, when tracing is on.
 
-        protocol = os.environ.get(
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-            os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
-        )
-        if protocol == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvlease")})
-        _provider = TracerProvider(resource=resource)  # kvlease's own: vLLM's stays untouched
-        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        JOIN.consumers.append(SpanBuilder(_provider.get_tracer("kvlease")))
+    Returns kvlease's own TracerProvider (vLLM's stays untouched), to shut down at the
+    end; None when tracing is off."""
+    if not enabled():
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-
-def shutdown() -> None:
-    """Flush the exporter (on SIGTERM, after the request join has been flushed)."""
-    if _provider is not None:
-        _provider.shutdown()
+    protocol = os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvlease")})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    join.consumers.append(SpanBuilder(provider.get_tracer("kvlease")))
+    return provider

@@ -1,4 +1,5 @@
-"""The Grafana dashboards, as code: `kvlease grafana build` writes grafana/dashboards/*.json.
+"""The Grafana dashboards and alert rules, as code: `kvlease grafana build` writes
+grafana/dashboards/*.json and grafana/alerts.yml.
 
 Panels are plain data (`Panel`, `Query`) rendered with Grafana's own
 foundation SDK (`grafana-foundation-sdk`), so a panel is a title, a sentence
@@ -19,6 +20,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import yaml
 from grafana_foundation_sdk.builders import bargauge, stat, timeseries
 from grafana_foundation_sdk.builders import common as common_builders
 from grafana_foundation_sdk.builders import dashboard as dash
@@ -32,10 +34,14 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
+from engine.settings import KEYS
 from engine.tenancy import TierTable
+from exporters import metrics as m
+from exporters.writer import WAIT_ENV
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_DIR = HERE / "dashboards"
+ALERTS_FILE = HERE / "alerts.yml"
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'job=~"$job", instance=~"$instance"'
 TENANT = f'{SEL}, tenant_id=~"$tenant"'
@@ -72,9 +78,7 @@ def _q(expr: str, legend: str = "") -> tuple[Query, ...]:
 
 
 def kv_cache_panels() -> list[Panel]:
-    used = (
-        f"1 - sum(vllm_tenant_kv_free_blocks{{{SEL}}}) / sum(vllm_tenant_kv_pool_blocks{{{SEL}}})"
-    )
+    used = f"1 - sum({m.FREE_BLOCKS.name}{{{SEL}}}) / sum({m.POOL_BLOCKS.name}{{{SEL}}})"
     return [
         Panel(
             "Pool in use",
@@ -97,7 +101,7 @@ def kv_cache_panels() -> list[Panel]:
             "KV blocks each tenant holds: running (its requests), cached_leased (prefixes a "
             "lease protects), cached (evictable prefixes).",
             _q(
-                f"sum by (tenant_id, state) (vllm_tenant_kv_blocks{{{TENANT}}})",
+                f"sum by (tenant_id, state) ({m.KV_BLOCKS.name}{{{TENANT}}})",
                 "{{tenant_id}} {{state}}",
             ),
             stacked=True,
@@ -108,7 +112,7 @@ def kv_cache_panels() -> list[Panel]:
             "Active leases by tenant",
             "Sessions whose lease is running (premium 300 s, standard 60 s after the last "
             "request, by default).",
-            _q(f"sum by (tenant_id) (vllm_tenant_lease_active{{{TENANT}}})", "{{tenant_id}}"),
+            _q(f"sum by (tenant_id) ({m.LEASES_ACTIVE.name}{{{TENANT}}})", "{{tenant_id}}"),
             stacked=True,
         ),
         Panel(
@@ -116,7 +120,7 @@ def kv_cache_panels() -> list[Panel]:
             "Longest time left on any of the tenant's leases (a full lease while a request "
             "is in flight).",
             _q(
-                f"max by (tenant_id) (vllm_tenant_lease_seconds_left{{{TENANT}}})",
+                f"max by (tenant_id) ({m.LEASE_SECONDS_LEFT.name}{{{TENANT}}})",
                 "{{tenant_id}}",
             ),
             kind="bargauge",
@@ -128,7 +132,7 @@ def kv_cache_panels() -> list[Panel]:
             "admit_higher_tier (to admit a waiting request of a higher tier), cache_reset; "
             "mode recompute or offload.",
             _q(
-                _sum("rate", "vllm_tenant_preemptions_total", "tier, reason, mode", TIER),
+                _sum("rate", m.PREEMPTIONS.name, "tier, reason, mode", TIER),
                 "{{tier}} {{reason}} {{mode}}",
             ),
             unit="reqps",
@@ -140,7 +144,7 @@ def kv_cache_panels() -> list[Panel]:
             "of preempted requests and evicted cached prefixes (cache_eviction, "
             "leased_cache_eviction).",
             _q(
-                _sum("rate", "vllm_tenant_kv_cache_evictions_total", "priority, preemption_reason"),
+                _sum("rate", m.KV_EVICTIONS.name, "priority, preemption_reason"),
                 "priority {{priority}} {{preemption_reason}}",
             ),
             stacked=True,
@@ -151,7 +155,7 @@ def kv_cache_panels() -> list[Panel]:
             "lease protected them (leased evictions mean the leased cap or the pool is too "
             "small).",
             _q(
-                _sum("rate", "vllm_tenant_cached_block_evictions_total", "tier, leased", TIER),
+                _sum("rate", m.CACHED_EVICTIONS.name, "tier, leased", TIER),
                 "{{tier}} leased={{leased}}",
             ),
             stacked=True,
@@ -161,7 +165,7 @@ def kv_cache_panels() -> list[Panel]:
             "Blocks of requests preempted in offload mode and not yet resumed (always 0 "
             "without KV offloading, as on CPU).",
             _q(
-                f"sum by (tenant_id) (vllm_tenant_active_swapped_blocks{{{TENANT}}})",
+                f"sum by (tenant_id) ({m.SWAPPED_BLOCKS.name}{{{TENANT}}})",
                 "{{tenant_id}}",
             ),
         ),
@@ -169,9 +173,9 @@ def kv_cache_panels() -> list[Panel]:
             "Queue",
             "Requests running, and waiting by tier, in the scheduler.",
             (
-                Query(f"sum(vllm_tenant_running_requests{{{SEL}}})", "running"),
+                Query(f"sum({m.RUNNING.name}{{{SEL}}})", "running"),
                 Query(
-                    f"sum by (tier) (vllm_tenant_waiting_requests{{{TIER}}})",
+                    f"sum by (tier) ({m.WAITING.name}{{{TIER}}})",
                     "waiting {{tier}}",
                 ),
             ),
@@ -181,7 +185,7 @@ def kv_cache_panels() -> list[Panel]:
             "Events lost to a full event buffer (counters stay exact; spans and the live "
             "event timeline miss them).",
             _q(
-                _sum("increase", "vllm_tenant_events_dropped_total", "", SEL),
+                _sum("increase", m.EVENTS_DROPPED.name, "", SEL),
                 "dropped",
             ),
             width=24,
@@ -197,7 +201,7 @@ def _cost_expr(tiers: TierTable) -> str:
     the range's edges, so this estimates; the ledger is exact."""
 
     def increase(kind: str) -> str:
-        return f'increase(vllm_tenant_tokens_total{{{TENANT}, kind="{kind}"}}[$__range])'
+        return f'increase({m.TOKENS.name}{{{TENANT}, kind="{kind}"}}[$__range])'
 
     branches = []
     for tier in tiers:
@@ -207,17 +211,17 @@ def _cost_expr(tiers: TierTable) -> str:
             (increase("cached_input"), (p.cached_input_per_1k - p.input_per_1k) / 1000),
             (increase("output"), p.output_per_1k / 1000),
             (
-                f"increase(vllm_tenant_kv_block_seconds_total{{{TENANT}}}[$__range])",
+                f"increase({m.BLOCK_SECONDS.name}{{{TENANT}}}[$__range])",
                 p.block_hour / 3600,
             ),
         ]
         priced = " or ".join(f"{e} * {_num(price)}" for e, price in terms if price)
         if not priced:
             continue
-        info = f'max by (tenant_id) (vllm_tenant_info{{{SEL}, tier="{tier}"}})'
+        info = f'max by (tenant_id) ({m.TENANT_INFO.name}{{{SEL}, tier="{tier}"}})'
         branches.append(f"(({priced}) * on (tenant_id) group_left () {info})")
     if not branches:
-        return f"sum by (tenant_id) (vllm_tenant_info{{{SEL}}}) * 0"
+        return f"sum by (tenant_id) ({m.TENANT_INFO.name}{{{SEL}}}) * 0"
     return "sum by (tenant_id) (" + " or ".join(branches) + ")"
 
 
@@ -227,11 +231,7 @@ def _num(value: Decimal) -> str:
 
 def usage_panels(tiers: TierTable) -> list[Panel]:
     def ttft(q: str) -> str:
-        return (
-            f"histogram_quantile({q}, "
-            + _sum("rate", "vllm_tenant_time_to_first_token_seconds_bucket", "le, tier", TIER)
-            + ")"
-        )
+        return f"histogram_quantile({q}, " + _sum("rate", m.TTFT.bucket, "le, tier", TIER) + ")"
 
     return [
         Panel(
@@ -239,7 +239,7 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
             "input (prompt), cached_input (prompt tokens served from the prefix cache), "
             "output, recomputed (computed again after a preemption; never billed).",
             _q(
-                _sum("rate", "vllm_tenant_tokens_total", "tenant_id, kind"),
+                _sum("rate", m.TOKENS.name, "tenant_id, kind"),
                 "{{tenant_id}} {{kind}}",
             ),
             stacked=True,
@@ -251,8 +251,7 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
             "Block-hours held over the dashboard's time range (running plus leased cached "
             "blocks), the quantity the block-hour price applies to.",
             _q(
-                _sum("increase", "vllm_tenant_kv_block_seconds_total", "tenant_id", window=RANGE)
-                + " / 3600",
+                _sum("increase", m.BLOCK_SECONDS.name, "tenant_id", window=RANGE) + " / 3600",
                 "{{tenant_id}}",
             ),
             kind="bargauge",
@@ -270,7 +269,7 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
             "Requests by outcome",
             "Finished requests per second: completed, aborted (client gone), failed.",
             _q(
-                _sum("rate", "vllm_tenant_requests_total", "outcome"),
+                _sum("rate", m.REQUESTS.name, "outcome"),
                 "{{outcome}}",
             ),
             unit="reqps",
@@ -280,7 +279,7 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
             "Requests by tenant",
             "Finished requests per second, by tenant.",
             _q(
-                _sum("rate", "vllm_tenant_requests_total", "tenant_id"),
+                _sum("rate", m.REQUESTS.name, "tenant_id"),
                 "{{tenant_id}}",
             ),
             unit="reqps",
@@ -299,11 +298,11 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
             "dropped; the alert fires on any).",
             (
                 Query(
-                    _sum("rate", "vllm_tenant_ledger_records_total", "", SEL),
+                    _sum("rate", m.LEDGER_RECORDS.name, "", SEL),
                     "records",
                 ),
                 Query(
-                    _sum("increase", "vllm_tenant_ledger_write_errors_total", "", SEL),
+                    _sum("increase", m.LEDGER_ERRORS.name, "", SEL),
                     "write errors",
                 ),
             ),
@@ -333,17 +332,17 @@ def _variables() -> list[Any]:
         .label("Data source")
         .type("prometheus")
         .current(VariableOption(selected=True, text="Prometheus", value="${DS_PROMETHEUS}")),
-        query_var("job", "job", "label_values(vllm_tenant_kv_pool_blocks, job)"),
+        query_var("job", "job", f"label_values({m.POOL_BLOCKS.name}, job)"),
         query_var(
             "instance",
             "instance",
-            'label_values(vllm_tenant_kv_pool_blocks{job=~"$job"}, instance)',
+            f'label_values({m.POOL_BLOCKS.name}{{job=~"$job"}}, instance)',
         ),
-        query_var("tier", "tier", f"label_values(vllm_tenant_info{{{SEL}}}, tier)"),
+        query_var("tier", "tier", f"label_values({m.TENANT_INFO.name}{{{SEL}}}, tier)"),
         query_var(
             "tenant",
             "tenant",
-            f'label_values(vllm_tenant_info{{{SEL}, tier=~"$tier"}}, tenant_id)',
+            f'label_values({m.TENANT_INFO.name}{{{SEL}, tier=~"$tier"}}, tenant_id)',
             multi=True,
         ),
     ]
@@ -442,14 +441,91 @@ def render(tiers: TierTable) -> dict[str, str]:
     }
 
 
+def alert_rules(tiers: TierTable) -> list[dict[str, Any]]:
+    """Prometheus alerting rules; the first tier of the table is the one never to preempt."""
+    top = next(iter(tiers))
+    by = "sum by (job, instance)"
+    return [
+        {
+            "alert": f"Kvlease{top.capitalize()}Preempted",
+            "expr": f'{by} (increase({m.PREEMPTIONS.name}{{tier="{top}"}}[5m])) > 0',
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": f"{top} requests were preempted on {{{{ $labels.instance }}}}",
+                "description": f"{{{{ $value | humanize }}}} {top} preemptions in 5 minutes. "
+                f"kvlease preempts {top} work only when nothing of a lower class is left to "
+                f"take: the pool is too small for the {top} load (or every running request "
+                f"is {top}).",
+            },
+        },
+        {
+            "alert": "KvleasePoolNearlyFull",
+            "expr": f"1 - {by} ({m.FREE_BLOCKS.name}) / {by} ({m.POOL_BLOCKS.name}) > 0.95",
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "KV pool above 95% on {{ $labels.instance }} for 5 minutes",
+                "description": "{{ $value | humanizePercentage }} of the KV pool is in use. "
+                "Expect preemptions of lower tiers and longer time to first token.",
+            },
+        },
+        {
+            "alert": "KvleaseLeaseEvictions",
+            "expr": f"sum by (job, instance, tier) "
+            f'(increase({m.CACHED_EVICTIONS.name}{{leased="true"}}[10m])) > 0',
+            "labels": {"severity": "info"},
+            "annotations": {
+                "summary": "Leased prefixes of {{ $labels.tier }} tenants were evicted on "
+                "{{ $labels.instance }}",
+                "description": "{{ $value | humanize }} lease-protected cached blocks evicted "
+                "in 10 minutes: the leased-cache cap of the tier, or the pool, is too small "
+                "for the sessions it protects.",
+            },
+        },
+        {
+            "alert": "KvleaseEventsDropped",
+            "expr": f"{by} (increase({m.EVENTS_DROPPED.name}[10m])) > 0",
+            "labels": {"severity": "info"},
+            "annotations": {
+                "summary": "kvlease dropped scheduler events on {{ $labels.instance }}",
+                "description": "The engine's event buffer overflowed: counters stay exact, but "
+                "spans and the dashboard's event timeline miss {{ $value | humanize }} events. "
+                f"Raise {KEYS['event_capacity']} or check that the API process keeps up.",
+            },
+        },
+        {
+            "alert": "KvleaseLedgerWriteErrors",
+            "expr": f"{by} (increase({m.LEDGER_ERRORS.name}[5m])) > 0",
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": "Usage ledger commits are failing on {{ $labels.instance }}",
+                "description": "{{ $value | humanize }} failed ledger commits in 5 minutes. "
+                "Records are retried, not dropped, but responses wait for their record "
+                f"({WAIT_ENV}): check the ledger database.",
+            },
+        },
+    ]
+
+
+def render_alerts(tiers: TierTable) -> str:
+    """The exact text of alerts.yml (so a test can compare)."""
+    header = (
+        "# Prometheus alerting rules for kvlease (load with rule_files: in prometheus.yml).\n"
+        "# Generated by `kvlease grafana build` from grafana/build.py; do not edit.\n"
+    )
+    doc = {"groups": [{"name": "kvlease", "rules": alert_rules(tiers)}]}
+    return header + yaml.safe_dump(doc, sort_keys=False, width=100)
+
+
 def build(out: Path = DASHBOARD_DIR, tiers: TierTable | None = None) -> list[Path]:
+    """Write the dashboards to `out`, and alerts.yml beside them (grafana/ by default)."""
+    tiers = tiers or TierTable.load()
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, text in render(tiers or TierTable.load()).items():
-        path = out / name
+    files = {out / name: text for name, text in render(tiers).items()}
+    files[ALERTS_FILE if out == DASHBOARD_DIR else out / "alerts.yml"] = render_alerts(tiers)
+    for path, text in files.items():
         path.write_text(text)
-        written.append(path)
-    return written
+    return list(files)
 
 
 def panel_queries(doc: dict[str, Any]) -> list[tuple[str, str]]:

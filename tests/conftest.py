@@ -13,7 +13,7 @@ from records import NOV, rec
 
 from engine.auth import Authenticator, KeyRing
 from engine.tenancy import TierTable
-from exporters.usage import UsageLedger
+from exporters.ledger import UsageLedger
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +39,7 @@ def auth(hs_ring: KeyRing, tiers: TierTable) -> Authenticator:
 @pytest.fixture(scope="session")
 def kvlease_home(tmp_path_factory):
     """A KVLEASE_HOME for the test session, with the demo model built where kvlease looks."""
-    from engine.demo_model import BUILD_ID, ensure_demo_model
+    from demo.model import BUILD_ID, ensure_demo_model
 
     home = tmp_path_factory.mktemp("kvlease-home")
     ensure_demo_model(home / "models" / BUILD_ID)
@@ -48,7 +48,7 @@ def kvlease_home(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_model(kvlease_home) -> str:
-    from engine.demo_model import BUILD_ID
+    from demo.model import BUILD_ID
 
     return str(kvlease_home / "models" / BUILD_ID)
 

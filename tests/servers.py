@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from demo.prometheus import config_text
 from engine.auth import KeyRing, mint_token
-from engine.prometheus import config_text
 from engine.tenancy import TierTable
 
 
@@ -123,7 +123,7 @@ def start(
 
 def kvlease_serve(home: Path, log: Path, *args: str) -> Server:
     return start(
-        [sys.executable, "-m", "engine.cli", "serve", "--num-blocks", "256", *args], home, log
+        [sys.executable, "-m", "server.cli", "serve", "--num-blocks", "256", *args], home, log
     )
 
 

@@ -8,6 +8,7 @@ import time
 import jwt
 import pytest
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from jwk_keys import private_jwk, public_half
 
 from engine.auth import (
     MAX_TOKEN_BYTES,
@@ -20,7 +21,6 @@ from engine.auth import (
     require_role,
 )
 from engine.tenancy import TenantContext
-from jwk_keys import private_jwk, public_half
 
 
 def _b64(data: dict) -> str:

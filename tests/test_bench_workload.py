@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.report import percentile, stats
 from bench.workload import QUICK_SPEC, StepTrace
-from engine.workload import Turn, generate
+from demo.workload import Turn, generate
 
 
 def _session(*turns: tuple[float, int, int]) -> list[Turn]:

@@ -2,10 +2,10 @@ import json
 
 import jwt
 import pytest
+from jwk_keys import private_jwk
 
 from engine.auth import Authenticator, KeyRing
-from engine.cli import main
-from jwk_keys import private_jwk
+from server.cli import main
 
 
 @pytest.fixture

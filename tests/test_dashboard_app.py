@@ -87,7 +87,7 @@ def test_switching_pages_keeps_the_page_whole(page, november_ledger):
 
 
 def test_dashboard_refuses_a_refresh_faster_than_two_seconds(capsys):
-    from engine.cli import main
+    from server.cli import main
 
     assert main(["dashboard", "--refresh", "1"]) == 2
     assert "at least 2 seconds" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from traffic import Traffic
 
 from dashboard import data
 from dashboard.launch import APP
-from engine.cli import main
+from server.cli import main
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ TENANTS = [
     ("free-b", "free"),
     ("free-c", "free"),
 ]
-DASHBOARD = [sys.executable, "-m", "engine.cli", "dashboard"]
+DASHBOARD = [sys.executable, "-m", "server.cli", "dashboard"]
 SLOWER = ["--refresh", "4"]  # "at most every 2 s" is the rule; 4 s spares two busy cores
 CHROMIUM_ARGS = [
     "--no-sandbox",

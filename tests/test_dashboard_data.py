@@ -5,15 +5,18 @@ from __future__ import annotations
 import time
 from decimal import Decimal
 
+import msgspec
 import pandas as pd
 import pytest
 
 from dashboard import charts, data
-from engine.cli import main
+from engine.events import EngineState, Eviction, LeaseEvent, Preemption, Totals
 from engine.labels import TenantLabels
 from exporters.history import History
+from server.cli import main
 
 NOW = time.time()
+KVL = "kvl-" + "ab" * 16
 
 
 def _state(**tenants) -> dict:
@@ -30,35 +33,34 @@ def _state(**tenants) -> dict:
     }
 
 
+def _typed(state: dict) -> EngineState:
+    """The scheduler's snapshot behind an /admin/state answer like `state`."""
+    empty = {k: [] for k in Totals.__struct_fields__}
+    base = {"at": 0.0, "leases": [], "leases_total": 0, "waiting_by_tier": {}}
+    return msgspec.convert(base | {"events_dropped": 0, "totals": empty} | state, EngineState)
+
+
+def _preemption(at: float, tenant: str, reason: str = "kv_pressure", blocks: int = 1):
+    return Preemption(at, KVL, tenant, "free", None, reason, "recompute", blocks, 0)
+
+
 def _history(state: dict, label=None) -> History:
     """Five samples over the last 100 s of *now*: the module's NOW may be minutes old by
     the time a test runs, and the window is 600 s."""
     history = History(label or TenantLabels(), window=600, every=1.0)
     now = time.time()
     for i in range(5):
-        history.add_state(state, wall=now - 100 + i * 10)
+        history.add_state(_typed(state), wall=now - 100 + i * 10)
     mono = time.monotonic()
-    history.add_event(
-        {
-            "type": "Preemption",
-            "at": mono - 30,
-            "tenant_id": "bob",
-            "tier": "free",
-            "reason": "admit_higher_tier",
-            "blocks": 4,
-        }
-    )
-    history.add_event(
-        {"type": "Eviction", "at": mono - 20, "tenant_id": "bob", "tier": "free", "leased": False}
-        | {"blocks": 3}
-    )
-    history.add_event({"type": "LeaseEvent", "at": mono, "tenant_id": "acme"})  # not kept
+    history.add_event(_preemption(mono - 30, "bob", "admit_higher_tier", 4))
+    history.add_event(Eviction(mono - 20, "bob", "free", leased=False, blocks=3))
+    history.add_event(LeaseEvent(mono, "acme", None, "premium", "renew", None))  # not kept
     return history
 
 
 def test_history_keeps_one_sample_per_interval_and_only_the_window():
     history = History(TenantLabels(), window=10, every=1.0)
-    state = _state(acme=(3, 2, 1), idle=(0, 0, 0))
+    state = _typed(_state(acme=(3, 2, 1), idle=(0, 0, 0)))
     for i in range(40):
         history.add_state(state, wall=NOW + i * 0.5)  # two snapshots per second
     kept = history.since(600, now=NOW + 20)["samples"]
@@ -71,10 +73,7 @@ def test_history_keeps_one_sample_per_interval_and_only_the_window():
 def test_history_events_are_labelled_and_bounded():
     history = History(TenantLabels(max_labels=1), max_events=3)
     for tenant in ("a", "b", "c", "d"):
-        history.add_event(
-            {"type": "Preemption", "at": time.monotonic(), "tenant_id": tenant, "tier": "free"}
-            | {"reason": "kv_pressure", "blocks": 1}
-        )
+        history.add_event(_preemption(time.monotonic(), tenant))
     events = history.since(60)["events"]
     assert [e["tenant_id"] for e in events] == ["__other__"] * 3  # "a" took the one slot
     assert {e["kind"] for e in events} == {"preemption"}

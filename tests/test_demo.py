@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port
 
-from exporters.usage import UsageLedger
+from exporters.ledger import UsageLedger
 
 pytestmark = pytest.mark.engine
 
@@ -53,7 +53,7 @@ def demo_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
     env["KVLEASE_HOME"] = str(home)
     out = (home / "demo.out").open("w")
-    argv = [sys.executable, "-m", "engine.cli", "demo", "--duration", "60", "--no-dashboard"]
+    argv = [sys.executable, "-m", "server.cli", "demo", "--duration", "60", "--no-dashboard"]
     argv += ["--port", str(port), "--prometheus-port", str(free_port())]
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     last_metrics = ""
@@ -108,7 +108,7 @@ def test_ctrl_c_while_the_engine_starts_stops_everything_and_prints_the_summary(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
     env["KVLEASE_HOME"] = str(tmp_path)
     log = tmp_path / "demo.out"
-    argv = [sys.executable, "-m", "engine.cli", "demo", "--no-dashboard"]
+    argv = [sys.executable, "-m", "server.cli", "demo", "--no-dashboard"]
     argv += ["--port", str(free_port()), "--prometheus-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -17,9 +17,9 @@ from traffic import Traffic
 
 from engine.tenancy import TierTable
 from exporters.metrics import FAMILIES
-from grafana.build import DASHBOARD_DIR, HERE, panel_queries, render
+from grafana.build import ALERTS_FILE, DASHBOARD_DIR, HERE, panel_queries, render, render_alerts
 
-ALERTS = HERE / "alerts.yml"
+ALERTS = ALERTS_FILE
 METRIC = re.compile(r"\b(vllm[_:][A-Za-z0-9_:]*)")
 # What Grafana puts in for the variables when every value is selected.
 SUBSTITUTE = {
@@ -67,6 +67,10 @@ def test_committed_dashboards_are_what_the_generator_writes():
     rendered = render(TierTable.load())
     committed = {p.name: p.read_text() for p in DASHBOARD_DIR.glob("*.json")}
     assert committed == rendered, "stale: run `kvlease grafana build` and commit the result"
+
+
+def test_committed_alert_rules_are_what_the_generator_writes():
+    assert ALERTS.read_text() == render_alerts(TierTable.load()), "stale: run kvlease grafana build"
 
 
 def test_every_metric_named_is_one_kvlease_defines():

@@ -10,9 +10,9 @@ from decimal import Decimal
 import pytest
 from records import NOV, rec
 
-from engine.cli import main
 from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows, period, record_cost
-from exporters.usage import SCHEMA_VERSION, UsageLedger
+from exporters.ledger import SCHEMA_VERSION, UsageLedger
+from server.cli import main
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from servers import start
 
-from exporters.usage import UsageLedger
+from exporters.ledger import UsageLedger
 
 pytestmark = pytest.mark.engine
 
@@ -21,7 +21,7 @@ def _serve(home, log, usage_db):
     command = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "server.cli",
         "serve",
         "--num-blocks",
         "128",

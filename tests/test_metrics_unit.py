@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.events import Message
 from engine.labels import OTHER, UNCLASSIFIED, TenantLabels
-from exporters.engine_view import EngineView
 from exporters.metrics import FAMILIES, TenantMetrics
+from exporters.view import EngineView
 
 
 def _state(tenants=None, tenant_tiers=None, **totals):
     base = {
         "preemptions": [],
         "preempted_blocks": [],
-        "discarded_tokens": [],
+        "recomputed_tokens": [],
         "evicted_blocks": [],
         "block_seconds": [],
         "offloaded_blocks": [],
@@ -29,11 +31,18 @@ def _state(tenants=None, tenant_tiers=None, **totals):
         "tenants": tenants or {},
         "tenant_tiers": tenant_tiers or {},
         "running": 4,
-        "waiting_by_tier": {"premium": 1, "standard": 0, "free": 3, "null": 2},
+        "waiting": 6,
+        "waiting_by_tier": {"premium": 1, "standard": 0, "free": 3, UNCLASSIFIED: 2},
+        "leases_total": 0,
         "leases": [],
         "lease_summary": {},
         "totals": {**base, **totals},
     }
+
+
+def _apply(view: EngineView, message: dict) -> None:
+    """A channel message as the API process decodes it."""
+    view.apply(msgspec.convert(message, Message))
 
 
 def _stats(prompt=10, cached=4, output=6, reason=1):
@@ -68,7 +77,8 @@ def test_every_family_is_named_under_vllm_tenant_with_help(tiers):
 
 def test_engine_totals_and_request_stats_become_samples(tiers):
     view = EngineView()
-    view.apply(
+    _apply(
+        view,
         {
             "events": [],
             "state": _state(
@@ -78,9 +88,9 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
                 preempted_blocks=[["acme", "premium", "kv_pressure", 7]],
                 evicted_blocks=[["acme", "premium", True, 4]],
                 block_seconds=[["acme", 12.5]],
-                discarded_tokens=[["acme", 33]],
+                recomputed_tokens=[["acme", 33]],
             ),
-        }
+        },
     )
     metrics = TenantMetrics(view, tiers, TenantLabels())
     metrics.request_finished("acme", "premium", _stats())
@@ -155,7 +165,7 @@ def test_labels_keep_allow_listed_and_first_tenants_and_fold_the_rest():
 def test_a_flood_of_100000_tenants_keeps_metrics_under_a_fixed_size(tiers):
     labels = TenantLabels(max_labels=500)
     view = EngineView()
-    view.apply({"events": [], "state": _state()})
+    _apply(view, {"events": [], "state": _state()})
     metrics = TenantMetrics(view, tiers, labels)
     for i in range(100_000):
         metrics.request_finished(f"tenant-{i}", "free", _stats())

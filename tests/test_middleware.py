@@ -6,7 +6,7 @@ import json
 import pytest
 
 from engine.auth import Authenticator, mint_token
-from engine.server import ServerConfig, TenantMiddleware, route_class
+from server.middleware import ServerConfig, TenantMiddleware, route_class
 
 
 class Recorder:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from servers import start
 
-from exporters.channel import new_address
+from engine.channel import new_address
 
 pytestmark = pytest.mark.engine
 
@@ -34,7 +34,7 @@ def plain(kvlease_home, demo_model, tmp_path_factory):
         "--scheduler-cls",
         "engine.vllm_scheduler.TenantAwareScheduler",
         "--middleware",
-        "engine.server.TenantMiddleware",
+        "server.middleware.TenantMiddleware",
     ]
     env = {"VLLM_PLUGINS": "kvlease_admin", "KVLEASE_CHANNEL": new_address()}
     srv = start(command, kvlease_home, tmp_path_factory.mktemp("plain") / "vllm.log", env)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from clocks import ManualClock
 
-from exporters.requests import FinishedRequest, RequestJoin
+from engine.events import RequestDone
+from exporters.join import FinishedRequest, RequestJoin
 
 KVL = "kvl-" + "ab" * 16
 
@@ -26,8 +27,8 @@ def _stats(request_id: str = f"chatcmpl-{KVL}"):
     return SimpleNamespace(request_id=request_id, finish_reason=1)
 
 
-def _done(status: str, request_id: str = KVL) -> dict:
-    return {"type": "RequestDone", "request_id": request_id, "status": status}
+def _done(status: str, request_id: str = KVL) -> RequestDone:
+    return RequestDone(0.0, request_id, None, None, None, status, 0, 0, 0.0)
 
 
 def test_both_halves_deliver_at_once_in_either_order(join):
@@ -57,7 +58,7 @@ def test_an_engine_half_alone_is_delivered_after_its_wait(join, status, wait):
     clock.now += 0.2
     j.sweep()
     [p] = j.delivered
-    assert (p.stats, p.done["status"], p.entry) == (None, status, "entry")
+    assert (p.stats, p.done.status, p.entry) == (None, status, "entry")
     assert p.ended_at is not None
 
 

@@ -228,10 +228,10 @@ def test_state_reports_the_pool_by_tenant_and_state(kvlease_engine):
     tokenizer = kvlease_engine.llm.get_tokenizer()
     _turn(kvlease_engine, _conversation(tokenizer, "sue"), "sue", "standard", "sue-chat")
     state = kvlease_engine.scheduler.state()
-    assert state["pool_blocks"] == 23
-    assert state["running"] == state["waiting"] == 0
-    sue = state["tenants"]["sue"]
-    assert sue["running"] == 0 and sue["cached_leased"] >= 3
-    lease = next(x for x in state["leases"] if x["tenant_id"] == "sue")
-    assert 0 < lease["seconds_left"] <= 60
-    assert lease["cached_leased_blocks"] == sue["cached_leased"]
+    assert state.pool_blocks == 23
+    assert state.running == state.waiting == 0
+    sue = state.tenants["sue"]
+    assert sue.running == 0 and sue.cached_leased >= 3
+    lease = next(x for x in state.leases if x.tenant_id == "sue")
+    assert 0 < lease.seconds_left <= 60
+    assert lease.cached_leased_blocks == sue.cached_leased

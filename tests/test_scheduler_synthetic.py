@@ -10,6 +10,7 @@ from clocks import ManualClock, OffsetClock
 from engines import recording
 
 from bench.synthetic import make_request, make_scheduler, step
+from engine.events import TenantHolding
 from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
 
 TIERS = ("premium", "standard", "free")
@@ -117,20 +118,20 @@ def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
     scheduler.add_request(make_request("acme", "standard", 100, 8, session="chat"))
     _run(scheduler)
     state = scheduler.state()
-    [lease] = state["leases"]
-    assert lease["tenant_id"] == "acme" and 59 < lease["seconds_left"] <= 60
-    assert state["tenants"]["acme"]["cached_leased"] == 3
-    clock.offset += lease["seconds_left"] - 0.01
+    [lease] = state.leases
+    assert lease.tenant_id == "acme" and 59 < lease.seconds_left <= 60
+    assert state.tenants["acme"].cached_leased == 3
+    clock.offset += lease.seconds_left - 0.01
     step(scheduler)
-    assert scheduler.state()["leases"]
+    assert scheduler.state().leases
     clock.offset += 0.02
     step(scheduler)
     state = scheduler.state()
-    assert state["leases"] == []
-    assert state["tenants"]["acme"] == {"running": 0, "cached_leased": 0, "cached": 3}
+    assert state.leases == []
+    assert state.tenants["acme"] == TenantHolding(running=0, cached_leased=0, cached=3)
     assert scheduler.reset_prefix_cache()
     assert scheduler._holders == {}
-    assert scheduler.state()["tenants"] == {}
+    assert scheduler.state().tenants == {}
 
 
 def test_block_seconds_are_billed_for_running_and_leased_blocks_only(demo_model):
@@ -198,7 +199,7 @@ def test_engine_side_tenant_keys_stay_bounded_under_a_tenant_flood(demo_model, m
         scheduler.add_request(make_request(f"flood-{i}", TIERS[i % 3], 40, 2, session=f"s{i}"))
     _run(scheduler)
     state = scheduler.state()
-    for keys in (state["tenants"], state["lease_summary"], state["totals"]["block_seconds"]):
+    for keys in (state.tenants, state.lease_summary, state.totals.block_seconds):
         assert len(keys) <= 21  # 20 tenants of their own, the rest as __other__
-    assert "__other__" in state["lease_summary"]
-    assert sum(x["active"] for x in state["lease_summary"].values()) == state["leases_total"]
+    assert "__other__" in state.lease_summary
+    assert sum(x.active for x in state.lease_summary.values()) == state.leases_total

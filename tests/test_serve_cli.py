@@ -12,7 +12,7 @@ def _serve(*args, env_secret=True):
     if env_secret:
         env["KVLEASE_JWT_SECRET"] = "s" * 48
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", "serve", *args],
+        [sys.executable, "-m", "server.cli", "serve", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -47,7 +47,7 @@ def test_serve_refuses_a_pool_smaller_than_one_request(kvlease_home):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "server.cli",
             "serve",
             "--num-blocks",
             "8",

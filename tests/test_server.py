@@ -316,7 +316,7 @@ def test_a_client_disconnecting_mid_stream_frees_its_blocks_and_is_billed_once(s
 
 
 def _records_of(usage_db: str, tenant: str, wait_for: int = 0, timeout: float = 15) -> list:
-    from exporters.usage import UsageLedger
+    from exporters.ledger import UsageLedger
 
     ledger = UsageLedger(usage_db)
     deadline = time.monotonic() + timeout

@@ -1,6 +1,7 @@
 import pytest
 
-from engine.accounting import AccountingError, TenantAccounting, TenantBlocks
+from engine.accounting import AccountingError, TenantAccounting
+from engine.events import TenantHolding
 from engine.policy import VictimRule
 from engine.settings import SchedulerSettings, SettingsError
 
@@ -36,7 +37,7 @@ def test_bad_settings_name_the_setting(additional, env, message):
 
 def test_block_seconds_integrate_billable_blocks_between_samples():
     acc = TenantAccounting()
-    held = {"a": TenantBlocks(running=2, cached_leased=1, cached=5)}
+    held = {"a": TenantHolding(running=2, cached_leased=1, cached=5)}
     acc.sample(10.0, 9, 7, 2, held, {"r1": 2}, check=True)
     acc.sample(12.5, 9, 7, 2, held, {"r1": 2}, check=True)
     assert acc.block_seconds["a"] == pytest.approx(2.5 * 3)

@@ -71,7 +71,7 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "server.cli",
             "serve",
             "--num-blocks",
             "64",
@@ -226,7 +226,7 @@ def test_spans_of_the_pressure_workload_carry_preemption_events(loaded, otlp):
 
 
 def _ledger_records(usage_db):
-    from exporters.usage import UsageLedger
+    from exporters.ledger import UsageLedger
 
     return list(UsageLedger(usage_db).read(0, 4e9))
 
@@ -242,7 +242,7 @@ def test_every_answered_request_has_exactly_one_usage_record(loaded, usage_db):
 
 
 def test_the_record_is_committed_before_the_response_completes(loaded, usage_db):
-    from exporters.usage import UsageLedger
+    from exporters.ledger import UsageLedger
 
     ledger = UsageLedger(usage_db)
     for i in range(3):
@@ -308,7 +308,7 @@ def test_usage_routes_respect_roles_and_tenants(loaded, usage_db, tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "server.cli",
             "usage",
             "export",
             "--usage-db",

@@ -5,14 +5,15 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine.server import InFlight
+from engine.events import LeaseEvent, Preemption, RequestDone
 from engine.tenancy import TenantContext
-from exporters.requests import RequestJoin
+from exporters.join import InFlight, RequestJoin
 from exporters.tracing import SpanBuilder
 
 KVL = "kvl-" + "ab" * 16
@@ -58,40 +59,37 @@ def _stats():
 
 
 ENGINE_EVENTS = [
-    {
-        "type": "LeaseEvent",
-        "at": time.monotonic(),
-        "tenant_id": "acme",
-        "session_id": "chat-1",
-        "tier": "premium",
-        "kind": "start",
-        "expires_at": None,
-        "request_id": f"chatcmpl-{KVL}",
-    },
-    {
-        "type": "Preemption",
-        "at": time.monotonic(),
-        "request_id": f"chatcmpl-{KVL}",
-        "tenant_id": "acme",
-        "tier": "premium",
-        "session_id": "chat-1",
-        "reason": "kv_pressure",
-        "mode": "recompute",
-        "blocks": 3,
-        "discarded_tokens": 70,
-    },
-    {
-        "type": "RequestDone",
-        "at": time.monotonic(),
-        "request_id": f"chatcmpl-{KVL}",
-        "tenant_id": "acme",
-        "tier": "premium",
-        "session_id": "chat-1",
-        "status": "finished_length_capped",
-        "preemptions": 1,
-        "discarded_tokens": 70,
-        "block_seconds": 2.25,
-    },
+    LeaseEvent(
+        at=time.monotonic(),
+        tenant_id="acme",
+        session_id="chat-1",
+        tier="premium",
+        kind="start",
+        expires_at=None,
+        request_id=f"chatcmpl-{KVL}",
+    ),
+    Preemption(
+        at=time.monotonic(),
+        request_id=f"chatcmpl-{KVL}",
+        tenant_id="acme",
+        tier="premium",
+        session_id="chat-1",
+        reason="kv_pressure",
+        mode="recompute",
+        blocks=3,
+        recomputed_tokens=70,
+    ),
+    RequestDone(
+        at=time.monotonic(),
+        request_id=f"chatcmpl-{KVL}",
+        tenant_id="acme",
+        tier="premium",
+        session_id="chat-1",
+        status="finished_length_capped",
+        preemptions=1,
+        recomputed_tokens=70,
+        block_seconds=2.25,
+    ),
 ]
 
 
@@ -126,6 +124,6 @@ def test_one_span_per_request_with_genai_and_kvlease_attributes(spans, stats_fir
 
 def test_requests_that_did_not_come_through_the_middleware_are_ignored(spans):
     assembler, exporter = spans
-    assembler.engine_event({**ENGINE_EVENTS[2], "request_id": "plain-request"})
+    assembler.engine_event(msgspec.structs.replace(ENGINE_EVENTS[2], request_id="plain-request"))
     assembler.flush()
     assert exporter.get_finished_spans() == ()

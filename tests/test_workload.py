@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.workload import (
+from demo.workload import (
     WorkloadSpec,
     describe,
     generate,

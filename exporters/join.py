@@ -1,46 +1,94 @@
-"""Finished requests, joined from their two halves in the API process.
+"""A request's two halves, joined in the API process by the request id kvlease issued.
 
-vLLM's `FinishedRequestStats` (stat-logger plugin: tokens, latency) and the
-scheduler's events over the engine channel (`RequestDone`: block-seconds,
-preemptions; `Preemption` and `LeaseEvent` with their request id) reach the
-API process separately and in either order. `RequestJoin` pairs them by the
-`kvl-...` request id TenantMiddleware issued and hands each finished request
-to its consumers (tracing, the usage ledger) once both halves are in.
+A tenant request is known in the API process three ways, each in its own place:
+- while it is in flight, by the middleware's `InFlight` entry (tenant, route, start,
+  `traceparent`, model), kept in `RequestJoin.in_flight` under its `kvl-...` id;
+- when vLLM finishes it, by the stat-logger plugin's `FinishedRequestStats` (tokens,
+  latencies, finish reason);
+- from the scheduler, over the engine channel: `RequestDone` (block-seconds,
+  recomputed tokens), and `Preemption` / `LeaseEvent` with its request id.
 
-A request the client abandoned has only the engine half: vLLM's API process
-drops its state on abort and reports no stats for it. So a background sweep
-delivers an aborted `RequestDone` after `abort_grace` seconds without stats,
-and anything else that is half-joined after `timeout` seconds. The middleware
-hands over the request's `InFlight` entry when a response ends early
-(`request_left`), so the record of an aborted request still knows its model
-and start time.
+The last two reach this process separately and in either order. `RequestJoin` pairs
+them by the `kvl-...` id (vLLM's engine request ids contain it) and hands each
+finished request to its consumers (the usage-ledger writer, the span builder) once
+both halves are in.
+
+A request the client abandoned has only the engine half: vLLM's API process drops
+its state on abort and reports no stats for it. So a background sweep delivers an
+aborted `RequestDone` after `abort_grace` seconds without stats, and anything else
+half-joined after `timeout` seconds. The middleware hands over the `InFlight` entry
+when a response ends early (`request_left`), so the record of an aborted request
+still knows its model and start time.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from exporters.metrics import kvlease_id
+from engine.events import LeaseEvent, Preemption, RequestDone
+from engine.tenancy import TenantContext
 
-logger = logging.getLogger("kvlease.requests")
-ABORTED = "finished_aborted"
+logger = logging.getLogger("kvlease.join")
+
+_REQUEST_ID = re.compile(r"kvl-[0-9a-f]{32}")
+# vLLM's FinishReason (vllm/v1/engine/__init__.py) by value: the OpenAI finish reason.
+FINISH_REASONS = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "repetition"}
+# What a finished request was, for the ledger and the requests counter.
+OUTCOMES = ("completed", "aborted", "failed")
+_OUTCOME_OF_FINISH = {"abort": "aborted", "error": "failed"}
+_OUTCOME_OF_STATUS = {"finished_aborted": "aborted", "finished_error": "failed"}
+
+
+def new_request_id() -> str:
+    """The id the middleware gives a tenant request (sent to vLLM as `X-Request-Id`)."""
+    return f"kvl-{uuid.uuid4().hex}"
+
+
+def kvlease_id(request_id: str | None) -> str | None:
+    """The `kvl-...` id inside a vLLM engine request id (vLLM adds prefixes and suffixes)."""
+    match = _REQUEST_ID.search(request_id or "")
+    return match.group(0) if match else None
+
+
+def finish_outcome(finish_reason: int) -> str:
+    """`OUTCOMES` member for a vLLM finish reason (an unknown one counts as failed)."""
+    reason = FINISH_REASONS.get(int(finish_reason))
+    return "failed" if reason is None else _OUTCOME_OF_FINISH.get(reason, "completed")
+
+
+def status_outcome(status: str) -> str:
+    """`OUTCOMES` member for the scheduler's request status (`RequestDone.status`)."""
+    return _OUTCOME_OF_STATUS.get(status, "completed")
+
+
+@dataclass
+class InFlight:
+    """What the API process knows of one tenant request while it is in flight."""
+
+    ctx: TenantContext
+    path: str
+    started_ns: int  # wall clock
+    traceparent: str | None = None
+    model: str | None = None
 
 
 @dataclass
 class FinishedRequest:
     key: str  # kvl-... id
     created: float  # monotonic, for the timeout
-    entry: Any = None  # engine.server.InFlight, when known
+    entry: InFlight | None = None
     stats: Any = None  # vLLM FinishedRequestStats
-    done: dict | None = None  # the scheduler's RequestDone event
+    done: RequestDone | None = None
     done_at: float = 0.0  # monotonic arrival of `done`, for the abort grace
     ended_at: float | None = None  # wall clock when the engine half arrived
-    events: list[dict] = field(default_factory=list)  # Preemption and LeaseEvent events
+    events: list[Preemption | LeaseEvent] = field(default_factory=list)
 
     @property
     def joined(self) -> bool:
@@ -56,8 +104,9 @@ Consumer = Callable[[FinishedRequest], None]
 
 class RequestJoin:
     """Thread-safe: engine events come from the channel thread, stats and entries from the
-    event loop, the sweep from its own thread. Memory: at most `max_pending` unfinished
-    joins (the oldest is dropped first); a sweep is O(pending)."""
+    event loop, the sweep from its own thread. Memory: `in_flight` holds one entry per
+    request in this process; at most `max_pending` unfinished joins (the oldest is dropped
+    first); a sweep is O(pending)."""
 
     def __init__(
         self,
@@ -71,29 +120,34 @@ class RequestJoin:
         self.max_pending = max_pending
         self.clock = clock
         self.consumers: list[Consumer] = []
+        self.in_flight: dict[str, InFlight] = {}  # kvl- id -> entry, while in this process
         self._pending: dict[str, FinishedRequest] = {}
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
 
-    def engine_event(self, event: dict) -> None:
-        kind = event.get("type")
-        if kind not in ("Preemption", "LeaseEvent", "RequestDone"):
+    def entry(self, request_id: str | None) -> InFlight | None:
+        """The middleware's entry for an engine request id, while the request is here."""
+        key = kvlease_id(request_id)
+        return self.in_flight.get(key) if key else None
+
+    def engine_event(self, event: Any) -> None:
+        if not isinstance(event, Preemption | LeaseEvent | RequestDone):
             return
-        key = kvlease_id(event.get("request_id"))
-        if key is None:
+        key = kvlease_id(event.request_id)
+        if key is None or not self.consumers:
             return
         with self._lock:
             pending = self._get(key)
-            if kind == "RequestDone":
+            if isinstance(event, RequestDone):
                 pending.done, pending.done_at, pending.ended_at = event, self.clock(), time.time()
             else:
                 pending.events.append(event)
             ready = self._take_if_joined(key)
         self._deliver(ready)
 
-    def request_stats(self, stats: Any, entry: Any) -> None:
+    def request_stats(self, stats: Any, entry: InFlight | None) -> None:
         key = kvlease_id(stats.request_id)
-        if key is None:
+        if key is None or not self.consumers:
             return
         with self._lock:
             pending = self._get(key)
@@ -101,11 +155,11 @@ class RequestJoin:
             ready = self._take_if_joined(key)
         self._deliver(ready)
 
-    def request_left(self, request_id: str, entry: Any) -> None:
+    def request_left(self, request_id: str, entry: InFlight) -> None:
         """The response ended before its last byte (client gone): keep the entry for the
         engine half that is still to come. Dropped after `timeout` if nothing comes."""
         key = kvlease_id(request_id)
-        if key is None:
+        if key is None or not self.consumers:
             return
         with self._lock:
             pending = self._get(key)
@@ -122,7 +176,7 @@ class RequestJoin:
                 or (
                     p.stats is None
                     and p.done is not None
-                    and p.done.get("status") == ABORTED
+                    and status_outcome(p.done.status) == "aborted"
                     and now - p.done_at >= self.abort_grace
                 )
             ]
@@ -170,6 +224,3 @@ class RequestJoin:
                     consumer(item)
                 except Exception:  # one consumer's bug must not starve the others
                     logger.exception("kvlease: a finished-request consumer failed")
-
-
-JOIN = RequestJoin()

@@ -1,12 +1,16 @@
 """`kvlease serve`: vLLM's own OpenAI server, with kvlease's pieces configured.
 
+The launcher: one of the three modules that import vLLM (with the scheduler
+adapter `engine.vllm_scheduler` and the stat-logger plugin
+`exporters.stat_logger`).
+
 It validates kvlease's configuration first (a bad key or tier file is a
 one-line error, exit 2), then runs vLLM's launcher functions (`setup_server`,
 `build_async_engine_client`, `build_and_serve`) with:
 
 - `--scheduler-cls engine.vllm_scheduler.TenantAwareScheduler` (which becomes
   the async variant where vLLM schedules asynchronously),
-- `--middleware engine.server.TenantMiddleware`,
+- `--middleware server.middleware.TenantMiddleware`,
 - the `kvlease_admin` endpoint plugin allow-listed in `VLLM_PLUGINS`,
 - a fresh engine->API channel address in `KVLEASE_CHANNEL`,
 - `--enable-prompt-tokens-details` (cached tokens in usage) and a drain
@@ -31,6 +35,8 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from engine.auth import KEYS_ENV
+from engine.labels import MAX_ENV as MAX_LABELS_ENV
 from engine.runtime import (
     DependencyError,
     VllmVersionError,
@@ -38,11 +44,12 @@ from engine.runtime import (
     prepare_environment,
     require_vllm,
 )
-from engine.server import ConfigError, ServerConfig, error_body
 from engine.tenancy import TIERS_ENV, TierConfigError
+from exporters.tracing import ENABLE_ENV as OTEL_ENV
+from server.middleware import ConfigError, ServerConfig, error_body
 
 SCHEDULER = "engine.vllm_scheduler.TenantAwareScheduler"
-MIDDLEWARE = "engine.server.TenantMiddleware"
+MIDDLEWARE = "server.middleware.TenantMiddleware"
 ADMIN_PLUGIN = "kvlease_admin"
 OWNED_FLAGS = ("--scheduler-cls",)
 STARTING = error_body(503, "the engine is starting; retry shortly", "engine_starting")
@@ -125,16 +132,16 @@ def run_serve(argv: Sequence[str]) -> int:
     if args.tiers:
         os.environ[TIERS_ENV] = str(Path(args.tiers).resolve())
     if args.jwt_keys:
-        os.environ["KVLEASE_JWT_KEYS"] = str(Path(args.jwt_keys).resolve())
+        os.environ[KEYS_ENV] = str(Path(args.jwt_keys).resolve())
     if args.max_tenant_labels is not None:
-        os.environ["KVLEASE_MAX_TENANT_LABELS"] = str(args.max_tenant_labels)
+        os.environ[MAX_LABELS_ENV] = str(args.max_tenant_labels)
     if args.otel:
-        os.environ["KVLEASE_OTEL"] = "1"
-    from exporters.usage import DB_ENV, default_url
+        os.environ[OTEL_ENV] = "1"
+    from exporters.ledger import DB_ENV, default_url
 
     os.environ[DB_ENV] = args.usage_db or default_url()
     try:
-        from exporters.usage import UsageLedger
+        from exporters.ledger import UsageLedger
 
         UsageLedger(os.environ[DB_ENV])  # reachable, and migrated, before the engine starts
     except Exception as exc:
@@ -148,11 +155,11 @@ def run_serve(argv: Sequence[str]) -> int:
         print(f"kvlease serve: error: {exc}", file=sys.stderr)
         return 2
 
-    from exporters.channel import ADDRESS_ENV, new_address
+    from engine.channel import ADDRESS_ENV, new_address
 
     demo = args.model is None
     if demo:
-        from engine.demo_model import ensure_demo_model
+        from demo.model import ensure_demo_model
 
         model = str(ensure_demo_model())
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -190,16 +197,14 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     from vllm.entrypoints.launchers.launcher import setup_server
 
-    from exporters import ledger, tracing
-    from exporters.engine_view import VIEW
-    from exporters.requests import JOIN
+    from exporters.telemetry import TELEMETRY
 
     def interrupt(*_: object) -> None:  # SIGTERM while the engine starts: stop starting
         raise KeyboardInterrupt("terminated")
 
     signal.signal(signal.SIGTERM, interrupt)
     listen_address, sock = setup_server(args, reuse_port=False)
-    VIEW.start()  # bind the channel before the engine can send
+    TELEMETRY.start()  # bind the channel before the engine can send
     try:
         async with contextlib.AsyncExitStack() as engine:
             with _answer_503_while_starting(sock):
@@ -208,10 +213,7 @@ async def _serve(args: argparse.Namespace) -> None:
         await shutdown  # as vLLM does: only after the engine context has exited
     finally:
         await asyncio.sleep(0.3)  # let the channel deliver the engine's last messages
-        VIEW.stop()
-        JOIN.flush()  # pending spans and usage records go out now
-        ledger.shutdown()  # commit what is queued
-        tracing.shutdown()  # flush the span exporter
+        TELEMETRY.stop()
         sock.close()
 
 

@@ -13,7 +13,7 @@ dropping whatever the client sent in those fields, and the `X-Request-Id` and
 `X-Vllm-Priority` headers vLLM would otherwise honour. Errors never raise
 (an exception in middleware is a 500): they are answered here, in OpenAI's
 error shape. Use it with `kvlease serve`, or alone on a plain vLLM server:
-`--middleware engine.server.TenantMiddleware`.
+`--middleware server.middleware.TenantMiddleware`.
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ import logging
 import os
 import secrets
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from engine.auth import Authenticator, AuthError, AuthSettings, KeyConfigError, KeyRing
-from engine.tenancy import TenantContext, TierTable
-from exporters import ledger
-from exporters.requests import JOIN
+from engine.tenancy import TierTable
+from exporters.join import InFlight, new_request_id
+from exporters.telemetry import TELEMETRY
+from exporters.writer import wait_seconds
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -78,20 +78,6 @@ DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority"})
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
 
 
-@dataclass
-class InFlight:
-    """What the API process knows of one tenant request while it is in flight."""
-
-    ctx: TenantContext
-    path: str
-    started_ns: int  # wall clock
-    traceparent: str | None = None
-    model: str | None = None
-
-
-# Request id -> InFlight, while the request is in this process. The stat-logger plugin
-# attributes vLLM's per-request stats (and tracing parents its spans) through it.
-IN_FLIGHT: dict[str, InFlight] = {}
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -227,7 +213,7 @@ class TenantMiddleware:
             )
             return
 
-        request_id = f"kvl-{uuid.uuid4().hex}"
+        request_id = new_request_id()
         entry = InFlight(ctx, scope["path"], time.time_ns(), _header(scope, b"traceparent"))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
         headers.append((b"x-request-id", request_id.encode()))
@@ -240,7 +226,7 @@ class TenantMiddleware:
 
         unsupported = False
         record = None  # resolved once this request's usage record has committed
-        writer = ledger.WRITER
+        join, writer = TELEMETRY.join, TELEMETRY.writer
         if writer is not None and scope["path"] in GENERATION_PATHS:
             record = writer.expect(request_id)
         hold = False
@@ -273,15 +259,15 @@ class TenantMiddleware:
             await send(message)
 
         self.in_flight[ctx.tenant_id] += 1
-        IN_FLIGHT[request_id] = entry
+        join.in_flight[request_id] = entry
         try:
             await self.app(scope, receive, send_with_id)
         finally:
             if record is not None:
                 writer.forget(request_id)
-            if not ended and JOIN.consumers:
-                JOIN.request_left(request_id, entry)  # its record comes from the engine alone
-            IN_FLIGHT.pop(request_id, None)
+            if not ended:
+                join.request_left(request_id, entry)  # its record comes from the engine alone
+            join.in_flight.pop(request_id, None)
             self.in_flight[ctx.tenant_id] -= 1
             if not self.in_flight[ctx.tenant_id]:
                 del self.in_flight[ctx.tenant_id]
@@ -354,7 +340,7 @@ class TenantMiddleware:
 async def _until_committed(record: asyncio.Future, request_id: str) -> None:
     """Hold the last byte until the usage record is durable, within a bound."""
     try:
-        await asyncio.wait_for(asyncio.shield(record), ledger.wait_seconds())
+        await asyncio.wait_for(asyncio.shield(record), wait_seconds())
     except TimeoutError:
         logger.warning("usage record for %s not committed in time; answering anyway", request_id)
 

@@ -7,12 +7,13 @@ PUSH/PULL pair over an ipc socket (pyzmq is already a vLLM dependency):
 - The API process binds a PULL socket at `$KVLEASE_CHANNEL`; `kvlease serve`
   chooses a fresh address per run and exports it before the engine starts,
   so the EngineCore process inherits it.
-- The scheduler connects a PUSH socket and sends one JSON message per engine
-  step that has something to say: its events, and every `sample_seconds` a
-  state snapshot with cumulative totals. Sends never block the engine loop:
-  when the socket's queue is full the message stays in the scheduler and
-  goes with the next step, and only the scheduler's bounded event buffer can
-  overflow (counted, and visible in every snapshot).
+- The scheduler connects a PUSH socket and sends one `engine.events.Message`
+  (msgspec JSON) per engine step that has something to say: its events, and
+  every `sample_seconds` an `EngineState` snapshot with cumulative totals.
+  Sends never block the engine loop: when the socket's queue is full the
+  message stays in the scheduler and goes with the next step, and only the
+  scheduler's bounded event buffer can overflow (counted, and visible in
+  every snapshot).
 
 Why not the alternatives: prometheus_client's multiprocess mode carries
 numbers but not events, and vLLM's `SchedulerStats` has no field for
@@ -22,16 +23,16 @@ custom data that survives its typed msgpack decoding.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import tempfile
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import zmq
+
+from engine.events import Message, decode, encode
 
 ADDRESS_ENV = "KVLEASE_CHANNEL"
 SEND_QUEUE = 10_000  # messages queued in ZeroMQ before sends report "full"
@@ -53,9 +54,9 @@ class Publisher:
         self._socket.setsockopt(zmq.LINGER, 2000)  # flush on close, bounded
         self._socket.connect(address)
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, message: Message) -> bool:
         try:
-            self._socket.send(json.dumps(message).encode(), zmq.NOBLOCK)
+            self._socket.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
@@ -72,7 +73,7 @@ class Publisher:
 class Receiver:
     """The API-process end: a daemon thread hands each message to `on_message`."""
 
-    def __init__(self, address: str, on_message: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, address: str, on_message: Callable[[Message], None]) -> None:
         self.address = address
         self._on_message = on_message
         self._socket = zmq.Context.instance().socket(zmq.PULL)
@@ -94,7 +95,7 @@ class Receiver:
                 except zmq.Again:
                     break
                 try:
-                    self._on_message(json.loads(raw))
+                    self._on_message(decode(raw))
                 except Exception:  # one bad message must not stop the channel
                     logger.exception("kvlease channel: dropping a message that failed to apply")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import openai
 
-from engine.workload import TIERS, Turn
+from demo.workload import TIERS, Turn
 
 VOCABULARY = (
     "cache block lease tenant prefix engine token stream reply session tier premium "

@@ -130,7 +130,7 @@ def _token(args: argparse.Namespace) -> int:
 
 def _usage_export(args: argparse.Namespace) -> int:
     from exporters.billing import export_chunks, parse_window
-    from exporters.usage import UsageLedger
+    from exporters.ledger import UsageLedger
 
     tiers = TierTable.load(args.tiers)
     start, end = parse_window(args.start, args.end)
@@ -160,7 +160,7 @@ def _grafana_build(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # every flag kvlease does not own goes to vLLM's parser
-        from engine.serve import run_serve
+        from server.serve import run_serve
 
         return run_serve(argv[1:])
     args = _build_parser().parse_args(argv)
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dashboard.launch import run_dashboard
 
             return run_dashboard(args)
-        from engine.demo import run_demo
+        from demo.run import run_demo
 
         return run_demo(
             duration=args.duration,

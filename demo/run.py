@@ -27,12 +27,12 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from demo.client import LoadStats, play
+from demo.prometheus import write_config
+from demo.workload import TIERS, WorkloadSpec, stream_sessions, tenant_names
 from engine.auth import HS256_KEY_ENV, KeyRing, mint_token
-from engine.loadgen import LoadStats, play
 from engine.paths import kvlease_home
-from engine.prometheus import write_config
 from engine.tenancy import TierTable
-from engine.workload import TIERS, WorkloadSpec, stream_sessions, tenant_names
 
 MODEL = "kvlease-demo"
 POOL_BLOCKS = 64  # 2,016 tokens: free sessions outgrow it within a minute, premium alone not
@@ -181,7 +181,7 @@ def resolve_model(model: str | None) -> str:
     """`model` if given, else the demo model, built on first use."""
     if model is not None:
         return model
-    from engine.demo_model import default_model_dir, ensure_demo_model
+    from demo.model import default_model_dir, ensure_demo_model
 
     if not (default_model_dir() / ".complete").exists():
         _say(f"building the demo model in {default_model_dir()} (once, about 10 s) ...")
@@ -197,7 +197,7 @@ def start_server(
 ) -> bool:
     """`kvlease serve` in its own process group, its ledger in the run folder; False (and
     the end of its log on stderr) if it exits before /health answers."""
-    argv = [sys.executable, "-m", "engine.cli", "serve", "--model", model]
+    argv = [sys.executable, "-m", "server.cli", "serve", "--model", model]
     argv += ["--num-blocks", str(num_blocks), "--port", str(demo.port)]
     argv += ["--usage-db", f"sqlite:///{demo.ledger}", "--served-model-name", MODEL]
     if tiers_path:
@@ -359,7 +359,7 @@ def _summary(
     demo: Demo, spec, tiers: TierTable, stats: LoadStats | None, metrics: str, since: float
 ) -> None:
     from exporters.billing import record_cost
-    from exporters.usage import UsageLedger
+    from exporters.ledger import UsageLedger
 
     tier_of = dict(tenant_names(spec))
     preempted = _preemptions(metrics) if metrics else Counter()

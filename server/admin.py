@@ -1,7 +1,7 @@
 """Admin routes as a vLLM endpoint plugin (`vllm.endpoint_plugins`: kvlease_admin).
 
 `kvlease serve` allow-lists it; on a plain vLLM server set
-`VLLM_PLUGINS=kvlease_admin` (and `KVLEASE_CHANNEL`, see exporters/channel.py).
+`VLLM_PLUGINS=kvlease_admin` (and `KVLEASE_CHANNEL`, see engine/channel.py).
 Routes trust only the identity TenantMiddleware verified and left in
 `request.state.kvlease_tenant`; without the middleware they answer 401.
 """
@@ -15,8 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.auth import AuthError, require_role
-from engine.server import STATE_KEY, error_payload
-from exporters.engine_view import VIEW
+from engine.tenancy import TierTable
+from exporters.billing import export_chunks, focus_rows, parse_window
+from exporters.telemetry import TELEMETRY
+from server.middleware import STATE_KEY, error_payload
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
@@ -38,7 +40,7 @@ async def admin_state(request: Request) -> Any:
     """Live pool: per-tenant blocks by state, leases with time left, queue lengths."""
     if (refused := _authorize(request, "admin")) is not None:
         return refused
-    state = VIEW.snapshot()
+    state = TELEMETRY.view.state_json()
     if state is None:
         return _error(503, "no scheduler state has arrived from the engine yet", "no_engine_state")
     return state
@@ -52,12 +54,10 @@ async def admin_history(request: Request) -> Any:
         seconds = float(request.query_params.get("seconds", "300"))
     except ValueError:
         return _error(400, "seconds must be a number", "invalid_window")
-    return VIEW.history.since(seconds)
+    return TELEMETRY.view.history.since(seconds)
 
 
 def _window(request: Request) -> tuple[float, float, str]:
-    from exporters.billing import parse_window
-
     q = request.query_params
     granularity = q.get("granularity", "month")
     if granularity not in ("hour", "day", "month"):
@@ -66,18 +66,8 @@ def _window(request: Request) -> tuple[float, float, str]:
     return start, end, granularity
 
 
-def _ledger():
-    from exporters import ledger
-    from exporters.usage import UsageLedger
-
-    return ledger.WRITER.ledger if ledger.WRITER is not None else UsageLedger()
-
-
 async def usage_csv(request: Request) -> Any:
     """The FOCUS CSV of `kvlease usage export` for a window, streamed (role: finance)."""
-    from engine.tenancy import TierTable
-    from exporters.billing import export_chunks
-
     if (refused := _authorize(request, "finance")) is not None:
         return refused
     try:
@@ -85,7 +75,7 @@ async def usage_csv(request: Request) -> Any:
     except ValueError as exc:
         return _error(400, str(exc), "invalid_window")
     tenants = request.query_params.getlist("tenant")
-    records = _ledger().read(start, end, tenants)
+    records = TELEMETRY.ledger().read(start, end, tenants)
     fmt = request.query_params.get("format", "focus")
     chunks = export_chunks(records, fmt, granularity, TierTable.load())
     name = f"kvlease-usage-{granularity}.csv"
@@ -98,9 +88,6 @@ async def usage_csv(request: Request) -> Any:
 
 async def usage_json(request: Request) -> Any:
     """FOCUS rows as JSON: finance and admin see every tenant, a tenant only itself."""
-    from engine.tenancy import TierTable
-    from exporters.billing import focus_rows
-
     ctx = getattr(request.state, STATE_KEY, None)
     if ctx is None:
         return _error(401, "usage routes need kvlease's TenantMiddleware", "missing_token")
@@ -111,13 +98,13 @@ async def usage_json(request: Request) -> Any:
     tenants = request.query_params.getlist("tenant")
     if not ({"finance", "admin"} & ctx.roles):
         tenants = [ctx.tenant_id]  # a tenant sees its own usage only
-    rows = focus_rows(_ledger().read(start, end, tenants), granularity, TierTable.load())
+    rows = focus_rows(TELEMETRY.ledger().read(start, end, tenants), granularity, TierTable.load())
     return {"tenant_filter": tenants, "rows": list(rows)}
 
 
 async def ready(request: Request) -> Any:
     """200 once the engine serves (vLLM serves routes only after the engine is up)."""
-    return {"status": "ready", "engine_state": VIEW.snapshot() is not None}
+    return {"status": "ready", "engine_state": TELEMETRY.view.snapshot() is not None}
 
 
 class KvleaseAdminPlugin:
@@ -132,7 +119,4 @@ class KvleaseAdminPlugin:
         app.add_api_route("/admin/usage", usage_json, methods=["GET"], tags=["kvlease"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        from exporters import metrics
-
-        VIEW.start()
-        metrics.install()
+        TELEMETRY.start()

@@ -1,0 +1,83 @@
+"""Everything kvlease runs in vLLM's API process, started and stopped in one place.
+
+vLLM builds the middleware, the stat-logger plugin and the admin plugin itself,
+each with no way to be handed an object, so they meet at the one `TELEMETRY`
+of the process:
+
+- `view`: the engine channel's receiving end and the latest scheduler snapshot;
+- `join`: the in-flight registry and the request join (stats + engine events);
+- `metrics`: the Prometheus collector;
+- `writer`: the usage-ledger writer, when a ledger is configured (`KVLEASE_USAGE_DB`);
+- a TracerProvider, when tracing is on (`KVLEASE_OTEL`).
+
+`start()` is idempotent (the admin plugin and the stat logger both call it, in
+either order); `stop()` drains in the only safe order: stop receiving, deliver
+half-joined requests, commit queued records, flush spans.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from prometheus_client.core import REGISTRY
+
+from engine.labels import TenantLabels
+from engine.tenancy import TierTable
+from exporters import tracing
+from exporters.join import RequestJoin
+from exporters.ledger import DB_ENV, UsageLedger
+from exporters.metrics import TenantMetrics
+from exporters.view import EngineView
+from exporters.writer import LedgerWriter
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self.view = EngineView()
+        self.join = RequestJoin()
+        self.metrics: TenantMetrics | None = None
+        self.writer: LedgerWriter | None = None
+        self._tracer_provider: Any = None
+        self._lock = threading.Lock()
+
+    def start(self) -> Telemetry:
+        """Bind the channel, register the metrics, and start the ledger writer, spans and
+        the join's sweep where configured. Safe to call more than once."""
+        with self._lock:
+            if self.metrics is not None:
+                return self
+            self.view.start()
+            self.metrics = TenantMetrics(
+                self.view, TierTable.load(), TenantLabels.from_env(), self._ledger_counts
+            )
+            REGISTRY.register(self.metrics)
+            if os.environ.get(DB_ENV):
+                self.writer = LedgerWriter(UsageLedger(os.environ[DB_ENV]))
+                self.join.consumers.append(self.writer)
+            self._tracer_provider = tracing.install(self.join)
+            if self.join.consumers:
+                self.view.add_listener(self.join.engine_event)
+                self.join.start()
+            return self
+
+    def stop(self) -> None:
+        """At shutdown, after the engine has stopped: nothing queued is lost."""
+        self.view.stop()
+        self.join.flush()  # pending spans and usage records go out now
+        if self.writer is not None:
+            self.writer.close()  # commit what is queued
+        if self._tracer_provider is not None:
+            self._tracer_provider.shutdown()  # flush the span exporter
+
+    def ledger(self) -> UsageLedger:
+        """The ledger this process writes, or the configured one (for reads)."""
+        return self.writer.ledger if self.writer is not None else UsageLedger()
+
+    def _ledger_counts(self) -> tuple[int, int]:
+        writer = self.writer
+        return (writer.written, writer.write_errors) if writer else (0, 0)
+
+
+TELEMETRY = Telemetry()
