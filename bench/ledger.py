@@ -27,7 +27,7 @@ from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows
 from exporters.ledger import UsageLedger, UsageRecord
 
 NOV = 1793491200.0  # 2026-11-01T00:00:00Z
-TIERS = ("premium", "standard", "free")
+TIERS = tuple(TierTable.shipped())
 
 
 def records(n: int, tenants: int, seed: int = 7):
@@ -39,7 +39,7 @@ def records(n: int, tenants: int, seed: int = 7):
         yield UsageRecord(
             request_id=f"kvl-{i:032x}",
             tenant_id=f"tenant-{t:04d}",
-            tier=TIERS[t % 3],
+            tier=TIERS[t % len(TIERS)],
             session_id=f"s{rng.randrange(10)}",
             model="kvlease-demo",
             started_at=end - 3,

@@ -11,13 +11,18 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from dashboard.data import STATES
+from engine.tenancy import TierTable
 
-TIER_COLORS = {
-    "premium": "#6f42c1",
-    "standard": "#1f77b4",
-    "free": "#9aa0a6",
-    "unclassified": "#d62728",
-}
+PALETTE = ("#6f42c1", "#1f77b4", "#9aa0a6", "#2ca02c", "#ff7f0e", "#8c564b")  # by importance
+
+
+def tier_colors(tiers: TierTable) -> dict[str, str]:
+    """A colour per tier, most important first, and red for requests without a tier."""
+    colors = {t: PALETTE[i % len(PALETTE)] for i, t in enumerate(tiers)}
+    return {**colors, "unclassified": "#d62728"}
+
+
+TIER_COLORS = tier_colors(TierTable.load())
 STATE_TITLES = {"running": "running", "cached_leased": "cached, leased", "cached": "cached"}
 
 

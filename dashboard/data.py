@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pandas as pd
 
+from exporters import metrics as m
 from exporters.ledger import DB_ENV
 from exporters.metrics import BLOCK_STATES as STATES
 
@@ -221,22 +222,22 @@ def _frame(rows: list[tuple], columns: list[str]) -> pd.DataFrame:
 
 # Every query the live page runs against Prometheus, summed over replicas.
 QUERIES = {
-    "pool": "sum(vllm_tenant_kv_pool_blocks)",
-    "free": "sum(vllm_tenant_kv_free_blocks)",
-    "running": "sum(vllm:num_requests_running)",
-    "waiting": "sum(vllm:num_requests_waiting)",
-    "blocks": "sum by (tenant_id, state) (vllm_tenant_kv_blocks)",
-    "tiers": "max by (tenant_id, tier) (vllm_tenant_info)",
-    "leases": "sum by (tenant_id) (vllm_tenant_lease_active)",
-    "lease_left": "max by (tenant_id) (vllm_tenant_lease_seconds_left)",
-    "preemptions_5m": "sum by (tenant_id) (increase(vllm_tenant_preemptions_total[5m]))",
-    "evictions_5m": "sum by (tenant_id) (increase(vllm_tenant_cached_block_evictions_total[5m]))",
+    "pool": f"sum({m.POOL_BLOCKS.name})",
+    "free": f"sum({m.FREE_BLOCKS.name})",
+    "running": f"sum({m.RUNNING.name})",
+    "waiting": f"sum({m.WAITING.name})",
+    "blocks": f"sum by (tenant_id, state) ({m.KV_BLOCKS.name})",
+    "tiers": f"max by (tenant_id, tier) ({m.TENANT_INFO.name})",
+    "leases": f"sum by (tenant_id) ({m.LEASES_ACTIVE.name})",
+    "lease_left": f"max by (tenant_id) ({m.LEASE_SECONDS_LEFT.name})",
+    "preemptions_5m": f"sum by (tenant_id) (increase({m.PREEMPTIONS.name}[5m]))",
+    "evictions_5m": f"sum by (tenant_id) (increase({m.CACHED_EVICTIONS.name}[5m]))",
 }
+# {step} is filled in per query: the increase over one step of the range.
 RANGE_QUERIES = {
-    "occupancy": "sum by (tenant_id, state) (vllm_tenant_kv_blocks)",
-    "preemptions": "sum by (tier, reason) (increase(vllm_tenant_preemptions_total[{step}s]))",
-    "evictions": "sum by (tier, leased) "
-    "(increase(vllm_tenant_cached_block_evictions_total[{step}s]))",
+    "occupancy": f"sum by (tenant_id, state) ({m.KV_BLOCKS.name})",
+    "preemptions": f"sum by (tier, reason) (increase({m.PREEMPTIONS.name}[{{step}}s]))",
+    "evictions": f"sum by (tier, leased) (increase({m.CACHED_EVICTIONS.name}[{{step}}s]))",
 }
 
 

@@ -1,20 +1,25 @@
 """Plays a workload trace against a kvlease server through the stock `openai` client.
 
-Each session is one asyncio task with its own token (tenant, tier and session
-are claims of the JWT, as in production): it waits for each turn's time,
-sends the conversation so far plus the new user message, streams the reply,
-and keeps it in the history, so the next turn shares a prefix with this one.
-Replies are exactly `output_tokens` long (`ignore_eos`). `LoadStats` counts
-what the clients saw.
+Closed loop, one stream per tenant: each tenant plays its sessions one after
+another, and each turn as soon as the previous reply has arrived, with its own
+token per session (tenant, tier and session are claims of the JWT, as in
+production). A turn sends the conversation so far plus the new user message,
+streams the reply and keeps it in the history, so the next turn shares a prefix
+with this one. Replies are exactly `output_tokens` long (`ignore_eos`).
+
+Why closed loop: the demand on the KV pool is then set in tokens (every tenant
+always has one request in flight, each holding its whole conversation), not by
+how fast the machine answers. A trace's think times would let a fast machine
+serve every turn before the next arrives and never fill the pool.
+`LoadStats` counts what the clients saw.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -65,45 +70,46 @@ def prompt(turn: Turn, seed: int = 0) -> str:
 
 async def play(
     sessions: Iterable[list[Turn]],
+    tenants: Iterable[str],
     base_url: str,
     token_for: TokenFor,
     model: str,
     stats: LoadStats,
     stop: asyncio.Event,
     max_context: int = 1400,
+    max_requests: int | None = None,
 ) -> None:
-    """Run each session (in order of its first turn) from its start time, until the
-    sessions run out or `stop` is set. Only started sessions hold a task. A session
-    ends early once its conversation would pass `max_context` tokens (the server's
-    context length), as a chat app would start a new one."""
-    start = time.monotonic()
-    tasks: set[asyncio.Task] = set()
+    """One task per tenant, each playing that tenant's sessions from `sessions` in order,
+    until the sessions run out, `stop` is set, or `max_requests` requests have completed.
+    A session ends early once its conversation would pass `max_context` tokens (the
+    server's context length), as a chat app would start a new one."""
+    source = iter(sessions)
+    queued: dict[str, deque[list[Turn]]] = {t: deque() for t in tenants}
+
+    def next_session(tenant: str) -> list[Turn] | None:
+        """The tenant's next session: the shared stream is read on demand, in order."""
+        while not queued[tenant]:
+            session = next(source, None)
+            if session is None:
+                return None
+            queued.setdefault(session[0].tenant_id, deque()).append(session)
+        return queued[tenant].popleft()
+
+    def done() -> bool:
+        return stop.is_set() or (max_requests is not None and stats.total_requests >= max_requests)
+
+    async def tenant_loop(tenant: str) -> None:
+        while not done() and (session := next_session(tenant)) is not None:
+            token = token_for(session[0])
+            await _session(session, base_url, token, model, stats, done, max_context)
+
+    tasks = [asyncio.create_task(tenant_loop(t)) for t in list(queued)]
     try:
-        for session in sessions:
-            if await _sleep_until(start + session[0].at, stop):
-                break
-            task = asyncio.create_task(
-                _session(
-                    session, base_url, token_for(session[0]), model, stats, stop, start, max_context
-                )
-            )
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _sleep_until(deadline: float, stop: asyncio.Event) -> bool:
-    """Wait until `deadline` (monotonic); True if `stop` was set meanwhile."""
-    delay = deadline - time.monotonic()
-    if delay > 0:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-    return stop.is_set()
 
 
 async def _session(
@@ -112,8 +118,7 @@ async def _session(
     token: str,
     model: str,
     stats: LoadStats,
-    stop: asyncio.Event,
-    start: float,
+    done: Callable[[], bool],
     max_context: int,
 ) -> None:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=300)
@@ -122,12 +127,13 @@ async def _session(
     try:
         for turn in turns:
             context += turn.input_tokens + turn.output_tokens
-            if context > max_context or await _sleep_until(start + turn.at, stop):
+            if context > max_context or done():
                 return
             history.append({"role": "user", "content": prompt(turn)})
             reply = await ask(client, model, history, turn, stats)
             if reply is None:
-                return  # the session gives up after an error, as a user would
+                await asyncio.sleep(1)  # a refusal (429) or an error: back off, as a user would
+                return
             # The whole conversation goes with the next turn: its prefix is this one's.
             history.append({"role": "assistant", "content": reply})
     finally:

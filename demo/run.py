@@ -1,11 +1,13 @@
 """`kvlease demo`: the whole system, live, on a CPU-only machine.
 
 Builds the demo model if missing, makes a JWT key for this run only (it never
-touches the disk), starts `kvlease serve` on a pool small enough that tenants
-compete within a minute, Prometheus (when Debian's is installed) with the
+touches the disk), starts `kvlease serve` on a pool smaller than what the
+tenants' streams hold at once (counted in tokens, so pressure comes on any
+machine, fast or slow), Prometheus (when Debian's is installed) with the
 bundled alert rules, and the dashboard; then plays a seeded multi-tenant chat
-workload (engine/workload.py) through the stock `openai` client, showing a
-live line, until `--duration` or Ctrl-C. Everything it started is stopped
+workload (demo/workload.py) through the stock `openai` client, one closed-loop
+stream per tenant (demo/client.py), showing a live line, until `--duration`,
+`--requests` or Ctrl-C. Everything it started is stopped
 (the server drains, so the ledger has every record), and a summary is printed.
 """
 
@@ -33,10 +35,32 @@ from demo.workload import TIERS, WorkloadSpec, stream_sessions, tenant_names
 from engine.auth import HS256_KEY_ENV, KeyRing, mint_token
 from engine.paths import kvlease_home
 from engine.tenancy import TierTable
+from exporters.metrics import PREEMPTIONS, TOKENS
 
 MODEL = "kvlease-demo"
-POOL_BLOCKS = 64  # 2,016 tokens: free sessions outgrow it within a minute, premium alone not
+BLOCK_TOKENS = 32  # kvlease serve's block size for the demo model
+POOL_BLOCKS = 64  # 63 usable; must stay under demand_blocks(): see there
 STOP_SECONDS = 60
+
+
+def demand_blocks(spec: WorkloadSpec) -> int:
+    """KV blocks the tenants' streams hold at once when every tenant is at a median first
+    turn. Every tenant always has a request in flight (closed loop, `ignore_eos`), and
+    later turns only add context, so a pool under this is short within every tenant's
+    first reply: the free tier is preempted on any machine, whatever its speed."""
+    per_request = -(-(spec.input_median + spec.output_median) // BLOCK_TOKENS)
+    return sum(spec.tenants) * per_request
+
+
+def demo_spec(tenants: int, seed: int) -> WorkloadSpec:
+    return WorkloadSpec.for_tenants(
+        tenants,
+        duration=float("inf"),  # closed loop: session start times are not used
+        mean_turns=4,
+        output_median=200,
+        max_tokens=256,
+        seed=seed,
+    )
 
 
 @dataclass
@@ -91,6 +115,7 @@ class Demo:
 
 def run_demo(
     duration: float | None = None,
+    requests: int | None = None,
     tenants: int = 12,
     port: int = 8000,
     dashboard: bool = True,
@@ -101,16 +126,7 @@ def run_demo(
     seed: int = 0,
 ) -> int:
     tiers = TierTable.load(tiers_path)
-    spec = WorkloadSpec.for_tenants(
-        tenants,
-        duration=duration or float("inf"),
-        sessions_per_second=1.0,
-        mean_turns=4,
-        mean_think_seconds=3,
-        output_median=150,
-        max_tokens=256,
-        seed=seed,
-    )
+    spec = demo_spec(tenants, seed)
     run = kvlease_home() / "demo"
     run.mkdir(parents=True, exist_ok=True)
     demo = Demo(run, port)
@@ -129,7 +145,7 @@ def run_demo(
             _start_dashboard(demo, dashboard_port, prom_url, admin, env) if dashboard else None
         )
         _banner(demo, keyring, tiers, dash_url, prom_url)
-        stats = _drive(demo, spec, keyring, tiers, duration)
+        stats = _drive(demo, spec, keyring, tiers, duration, requests)
     except KeyboardInterrupt:
         stats = None
         print("\ninterrupted", flush=True)
@@ -199,6 +215,14 @@ def start_server(
     the end of its log on stderr) if it exits before /health answers."""
     argv = [sys.executable, "-m", "server.cli", "serve", "--model", model]
     argv += ["--num-blocks", str(num_blocks), "--port", str(demo.port)]
+    # The pool's size in tokens is what the demo's pressure rests on: never vLLM's
+    # default block size (128 on CPU), which would make it four times larger.
+    argv += [
+        "--block-size",
+        str(BLOCK_TOKENS),
+        "--max-model-len",
+        str((num_blocks - 1) * BLOCK_TOKENS),
+    ]
     argv += ["--usage-db", f"sqlite:///{demo.ledger}", "--served-model-name", MODEL]
     if tiers_path:
         argv += ["--tiers", tiers_path]
@@ -272,10 +296,10 @@ def _banner(demo, keyring, tiers, dash_url, prom_url) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _drive(demo, spec, keyring, tiers, duration) -> LoadStats:
+def _drive(demo, spec, keyring, tiers, duration, requests) -> LoadStats:
     names = dict(tenant_names(spec))
     counts = " · ".join(f"{n} {t}" for t, n in zip(TIERS, spec.tenants, strict=True))
-    _say(f"traffic: {len(names)} tenants ({counts}), chat sessions of ~4 turns")
+    _say(f"traffic: {len(names)} tenants ({counts}), one chat stream each, ~4 turns a session")
     stats = LoadStats()
 
     def token_for(turn) -> str:
@@ -284,7 +308,16 @@ def _drive(demo, spec, keyring, tiers, duration) -> LoadStats:
     async def main() -> None:
         stop = asyncio.Event()
         player = asyncio.create_task(
-            play(stream_sessions(spec), f"{demo.url}/v1", token_for, MODEL, stats, stop)
+            play(
+                stream_sessions(spec),
+                names,
+                f"{demo.url}/v1",
+                token_for,
+                MODEL,
+                stats,
+                stop,
+                max_requests=requests,
+            )
         )
         ticker = asyncio.create_task(_ticker(demo, stats, names))
         try:
@@ -341,18 +374,22 @@ def _families(text: str) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
+def _scrape(demo: Demo) -> str:
+    """The server's /metrics, or "" when it has none to give (not up, or still starting:
+    the placeholder answers 503 with a JSON error, not Prometheus text)."""
+    with contextlib.suppress(httpx.HTTPError):
+        r = httpx.get(f"{demo.url}/metrics", timeout=5)
+        if r.status_code == 200:
+            return r.text
+    return ""
+
+
 def _preemptions(text: str) -> Counter[str]:
     out: Counter[str] = Counter()
-    for s in _families(text).get("vllm_tenant_preemptions", []):
+    for s in _families(text).get(PREEMPTIONS.family, []):
         if s.name.endswith("_total"):
             out[s.labels["tier"]] += int(s.value)
     return out
-
-
-def _scrape(demo: Demo) -> str:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{demo.url}/metrics", timeout=5).text
-    return ""
 
 
 def _summary(
@@ -364,7 +401,7 @@ def _summary(
     tier_of = dict(tenant_names(spec))
     preempted = _preemptions(metrics) if metrics else Counter()
     tokens: dict[str, Counter[str]] = {t: Counter() for t in TIERS}
-    for s in _families(metrics).get("vllm_tenant_tokens", []) if metrics else []:
+    for s in _families(metrics).get(TOKENS.family, []) if metrics else []:
         tier = tier_of.get(s.labels["tenant_id"])
         if tier and s.name.endswith("_total"):
             tokens[tier][s.labels["kind"]] += int(s.value)
@@ -378,6 +415,9 @@ def _summary(
         by_tier[r.tier or "unclassified"] += 1
 
     print("\nkvlease demo summary")
+    if stats is None and not metrics and not records:
+        print("the engine never served: stopped before it was ready (nothing to report)")
+        return
     header = ("requests", "rejected", "errors", "TTFT p50", "preemptions", "prefix hits")
     print(f"{'tier':<10}" + "".join(f"{h:>13}" for h in header))
     for t in TIERS:

@@ -106,6 +106,11 @@ class TierTable(Mapping[str, Tier]):
             except OSError as exc:
                 raise TierConfigError(f"{file}: cannot read tier table: {exc.strerror}") from exc
             return cls.from_toml(text, source=str(file))
+        return cls.shipped()
+
+    @classmethod
+    def shipped(cls) -> TierTable:
+        """The default table shipped as engine/tiers.toml."""
         default = resources.files("engine").joinpath("tiers.toml")
         return cls.from_toml(default.read_text(encoding="utf-8"), source="<shipped default>")
 

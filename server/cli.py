@@ -93,6 +93,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "play a multi-tenant chat workload until --duration or Ctrl-C; then print a summary.",
     )
     demo.add_argument("--duration", type=float, default=None, help="seconds (default: Ctrl-C)")
+    demo.add_argument(
+        "--requests", type=int, default=None, help="stop after this many completed requests"
+    )
     demo.add_argument("--tenants", type=int, default=12, help="tenants across the tiers (12)")
     demo.add_argument("--port", type=int, default=8000, help="API port (8000)")
     demo.add_argument("--dashboard-port", type=int, default=8501)
@@ -179,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(
             duration=args.duration,
+            requests=args.requests,
             tenants=args.tenants,
             port=args.port,
             dashboard=not args.no_dashboard,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.auth import Authenticator, AuthError, AuthSettings, KeyConfigError, KeyRing
-from engine.tenancy import TierTable
+from engine.tenancy import TenantContext, TierTable
 from exporters.join import InFlight, new_request_id
 from exporters.telemetry import TELEMETRY
 from exporters.writer import wait_seconds
@@ -184,23 +184,38 @@ class TenantMiddleware:
         if klass == "public":
             await self.app(scope, receive, send)
             return
+        ctx = await self._verify(scope, send, klass)
+        if ctx is None:
+            return  # already answered with an error
+        scope.setdefault("state", {})[STATE_KEY] = ctx
+        if klass == "tenant":
+            await self._tenant_request(scope, receive, send, ctx)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _verify(self, scope: Scope, send: Send, klass: str) -> TenantContext | None:
+        """The verified identity, or None after answering 401/403."""
         try:
             ctx = self.config.authenticator.authenticate(_header(scope, b"authorization"))
         except AuthError as err:
             await self._refuse(send, err.status, err.message, err.code)
-            return
+            return None
+        # /admin/* checks its own roles; any other admin route needs the admin role.
         if (
             klass == "admin"
             and not scope["path"].startswith("/admin/")
-            and ("admin" not in ctx.roles)
+            and "admin" not in ctx.roles
         ):
             await self._refuse(send, 403, "this route needs the 'admin' role", "role_not_allowed")
-            return
-        scope.setdefault("state", {})[STATE_KEY] = ctx
-        if klass != "tenant":
-            await self.app(scope, receive, send)
-            return
+            return None
+        return ctx
 
+    async def _tenant_request(
+        self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext
+    ) -> None:
+        """Count it against the tier's limit, give it an id, rewrite its body, and follow
+        its response: the usage record committed before the last byte, or the entry handed
+        to the join when the response ends early."""
         limit = self.config.tiers[ctx.tier].max_concurrent_requests
         if limit is not None and self.in_flight[ctx.tenant_id] >= limit:
             await send_error(
@@ -212,60 +227,29 @@ class TenantMiddleware:
                 [(b"retry-after", b"1")],
             )
             return
-
         request_id = new_request_id()
         entry = InFlight(ctx, scope["path"], time.time_ns(), _header(scope, b"traceparent"))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
-        headers.append((b"x-request-id", request_id.encode()))
-        scope["headers"] = headers
+        scope["headers"] = [*headers, (b"x-request-id", request_id.encode())]
         if scope["method"] == "POST":
             rewritten = await self._rewrite_body(scope, receive, send, entry)
             if rewritten is None:
                 return  # already answered with an error
             receive = rewritten
 
-        unsupported = False
-        record = None  # resolved once this request's usage record has committed
         join, writer = TELEMETRY.join, TELEMETRY.writer
+        record = None  # resolved once this request's usage record has committed
         if writer is not None and scope["path"] in GENERATION_PATHS:
             record = writer.expect(request_id)
-        hold = False
-        ended = False  # the last body chunk went out
-
-        async def send_with_id(message: Message) -> None:
-            # vLLM answers 501 for an API the served model does not support; to a
-            # client that is a route that is not here: 404, not a server error.
-            nonlocal unsupported, hold, ended
-            if message["type"] == "http.response.start":
-                hold = record is not None and message["status"] == 200
-                if message["status"] == 501:
-                    unsupported = True
-                    await send_error(
-                        send,
-                        404,
-                        f"{scope['path']} is not supported by the served model",
-                        "not_supported",
-                        [(b"x-request-id", request_id.encode())],
-                    )
-                    return
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
-            elif unsupported:
-                return
-            elif not message.get("more_body", False):
-                if hold:
-                    await _until_committed(record, request_id)
-                ended = True
-            await send(message)
-
+        response = _Response(send, scope["path"], request_id, record)
         self.in_flight[ctx.tenant_id] += 1
         join.in_flight[request_id] = entry
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive, response.send)
         finally:
             if record is not None:
                 writer.forget(request_id)
-            if not ended:
+            if not response.ended:
                 join.request_left(request_id, entry)  # its record comes from the engine alone
             join.in_flight.pop(request_id, None)
             self.in_flight[ctx.tenant_id] -= 1
@@ -335,6 +319,38 @@ class TenantMiddleware:
             return await receive()  # after the body: disconnects reach vLLM as usual
 
         return replay
+
+
+class _Response:
+    """One tenant response on its way out: the request id on it, vLLM's 501 (an API the
+    served model does not have) turned into a 404, and the last body chunk held until the
+    usage record has committed (`record`), within a bound."""
+
+    def __init__(
+        self, send: Send, path: str, request_id: str, record: asyncio.Future | None
+    ) -> None:
+        self._send, self.path, self.request_id, self.record = send, path, request_id, record
+        self.unsupported = False
+        self.hold = False
+        self.ended = False  # the last body chunk went out
+
+    async def send(self, message: Message) -> None:
+        rid = (b"x-request-id", self.request_id.encode())
+        if message["type"] == "http.response.start":
+            self.hold = self.record is not None and message["status"] == 200
+            if message["status"] == 501:
+                self.unsupported = True
+                msg = f"{self.path} is not supported by the served model"
+                await send_error(self._send, 404, msg, "not_supported", [rid])
+                return
+            message["headers"] = [*message.get("headers", []), rid]
+        elif self.unsupported:
+            return
+        elif not message.get("more_body", False):
+            if self.hold:
+                await _until_committed(self.record, self.request_id)
+            self.ended = True
+        await self._send(message)
 
 
 async def _until_committed(record: asyncio.Future, request_id: str) -> None:

@@ -102,7 +102,7 @@ def test_dashboards_import_through_the_ui_and_provisioning():
 
 
 def test_readme_describes_every_panel():
-    readme = (HERE.parent / "README.md").read_text()
+    readme = (HERE.parent / "docs" / "grafana.md").read_text()
     missing = [t for d in _dashboards().values() for t, _ in panel_queries(d) if t not in readme]
     assert missing == []
 
