@@ -8,7 +8,7 @@ The same seed gives the same trace, so the demo, the tests and the benchmarks
 (timestamp, tenant, session, input_tokens, output_tokens[, tier]), such as one
 converted from BurstGPT or Mooncake.
 
-Pure: no vLLM, no network. `engine/loadgen.py` plays a trace against a server.
+Pure: no vLLM, no network. `demo/client.py` plays a trace against a server.
 """
 
 from __future__ import annotations

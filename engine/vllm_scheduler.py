@@ -134,8 +134,8 @@ class TenantSchedulingMixin:
     - `running`: a `_RunningList` in keep-first order (`engine.policy.keep_key`), so
       `running[-1]` is always the policy's first victim. Admission is an O(log n) search
       plus an O(n) memmove; under `lru` each request's key is computed once.
-    - `waiting`: a `TenantWaitingQueue` (tier order, FIFO within a tier), O(1) per
-      operation but `remove_request`.
+    - `waiting`: a `TenantWaitingQueue` (tier order, FIFO within a tier): add and prepend
+      O(1), peek and pop O(tiers), remove O(its tier's bucket).
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`).
     Per step the mixin adds O(1) work plus, only when the pool may run short, the

@@ -1,4 +1,4 @@
-"""The seeded multi-tenant chat trace (engine/workload.py)."""
+"""The seeded multi-tenant chat trace (demo/workload.py)."""
 
 from __future__ import annotations
 
