@@ -40,6 +40,7 @@ from exporters.metrics import PREEMPTIONS, TOKENS
 MODEL = "kvlease-demo"
 BLOCK_TOKENS = 32  # kvlease serve's block size for the demo model
 POOL_BLOCKS = 64  # 63 usable; must stay under demand_blocks(): see there
+MAX_MODEL_LEN = 2048  # sessions end before 1,400 tokens (demo.client)
 STOP_SECONDS = 60
 
 
@@ -221,7 +222,7 @@ def start_server(
         "--block-size",
         str(BLOCK_TOKENS),
         "--max-model-len",
-        str((num_blocks - 1) * BLOCK_TOKENS),
+        str(min(MAX_MODEL_LEN, (num_blocks - 1) * BLOCK_TOKENS)),
     ]
     argv += ["--usage-db", f"sqlite:///{demo.ledger}", "--served-model-name", MODEL]
     if tiers_path:

@@ -9,6 +9,8 @@ a 500. Keys come from the environment or a key file, never from code.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import time
@@ -20,6 +22,7 @@ from typing import Any
 
 import jwt
 
+from engine.labels import OTHER, UNCLASSIFIED
 from engine.tenancy import TenantContext, TierTable
 
 HS256_KEY_ENV = "KVLEASE_JWT_SECRET"  # the variable's name; the key lives only there
@@ -28,13 +31,25 @@ ISSUER_ENV = "KVLEASE_JWT_ISSUER"
 AUDIENCE_ENV = "KVLEASE_JWT_AUDIENCE"
 LEEWAY_ENV = "KVLEASE_JWT_LEEWAY"
 ANONYMOUS_ENV = "KVLEASE_ANONYMOUS"
+MAX_LIFETIME_ENV = "KVLEASE_JWT_MAX_LIFETIME"
 
 MAX_TOKEN_BYTES = 8192
 MIN_HMAC_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key is at least the hash size
 ROLES = frozenset({"admin", "finance"})
 ALGORITHMS = frozenset({"HS256", "RS256", "ES256"})
 ANONYMOUS_TENANT = "anonymous"
-_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+# Label and identity values of kvlease's own: a tenant by that name would merge with them.
+RESERVED_TENANTS = frozenset({OTHER, UNCLASSIFIED, ANONYMOUS_TENANT})
+DEFAULT_MAX_LIFETIME = 30 * 86400.0
+KEY_FILE_CHECK_SECONDS = 1.0
+_ID_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")  # with fullmatch: no trailing newline slips by
+ID_RULE = "1-128 characters of [A-Za-z0-9._:@-]"
+logger = logging.getLogger("kvlease.auth")
+
+
+def valid_id(value: object) -> bool:
+    """A tenant or session id kvlease accepts (the whole string, not a prefix)."""
+    return isinstance(value, str) and _ID_RE.fullmatch(value) is not None
 
 
 class AuthError(Exception):
@@ -173,6 +188,7 @@ class AuthSettings:
     audience: str | None = None
     leeway_seconds: float = 10.0
     anonymous: str = "reject"
+    max_token_lifetime: float = DEFAULT_MAX_LIFETIME  # refuse tokens valid for longer
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AuthSettings:
@@ -186,24 +202,48 @@ class AuthSettings:
             ) from None
         if not 0 <= leeway <= 300:
             raise KeyConfigError(f"{LEEWAY_ENV} must be between 0 and 300 seconds, got {leeway}")
+        lifetime_raw = env.get(MAX_LIFETIME_ENV, str(DEFAULT_MAX_LIFETIME))
+        try:
+            lifetime = float(lifetime_raw)
+        except ValueError:
+            lifetime = -1.0
+        if not (math.isfinite(lifetime) and lifetime > 0):
+            raise KeyConfigError(
+                f"{MAX_LIFETIME_ENV} must be a positive number of seconds, got {lifetime_raw!r}"
+            )
         return cls(
             issuer=env.get(ISSUER_ENV) or None,
             audience=env.get(AUDIENCE_ENV) or None,
             leeway_seconds=leeway,
             anonymous=env.get(ANONYMOUS_ENV, "reject"),
+            max_token_lifetime=lifetime,
         )
 
 
 class Authenticator:
     """Verifies Bearer tokens against a key ring and a tier table.
 
-    Stateless after construction and safe to share between requests.
+    Safe to share between requests. With a `key_file` (a JWKS file), the ring follows
+    the file: at most once a second a request checks its modification time and reloads
+    it, so a removed `kid` stops verifying within a second of the file's change, with no
+    restart. A file that no longer loads keeps the previous ring (and says so in the log).
     """
 
-    def __init__(self, keyring: KeyRing, tiers: TierTable, settings: AuthSettings | None = None):
+    def __init__(
+        self,
+        keyring: KeyRing,
+        tiers: TierTable,
+        settings: AuthSettings | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+        clock=time.monotonic,
+    ):
         self.keyring = keyring
         self.tiers = tiers
         self.settings = settings or AuthSettings()
+        self._key_file = Path(key_file) if key_file else None
+        self._key_stamp = self._file_stamp()
+        self._clock = clock
+        self._next_check = clock() + KEY_FILE_CHECK_SECONDS
         anon = self.settings.anonymous
         if anon != "reject" and anon not in tiers:
             raise KeyConfigError(
@@ -232,7 +272,39 @@ class Authenticator:
         claims = self._decode(token, key)
         return self._context(claims)
 
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        if self._key_file is None:
+            return None
+        try:
+            st = self._key_file.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _follow_key_file(self) -> None:
+        now = self._clock()
+        if self._key_file is None or now < self._next_check:
+            return
+        self._next_check = now + KEY_FILE_CHECK_SECONDS
+        stamp = self._file_stamp()
+        if stamp == self._key_stamp:
+            return
+        self._key_stamp = stamp
+        try:
+            self.keyring = KeyRing.from_file(self._key_file)
+        except KeyConfigError as exc:
+            logger.error(
+                "kvlease: key file changed but does not load, keeping the old ring: %s", exc
+            )
+            return
+        logger.info(
+            "kvlease: key ring reloaded from %s: kids %s",
+            self._key_file,
+            sorted(str(k) for k in self.keyring.keys),
+        )
+
     def _key_for(self, token: str) -> Key:
+        self._follow_key_file()
         try:
             header = jwt.get_unverified_header(token)
         except (jwt.PyJWTError, ValueError, TypeError):
@@ -289,9 +361,14 @@ class Authenticator:
 
     def _context(self, claims: Mapping[str, Any]) -> TenantContext:
         tenant_id = claims["tenant_id"]
-        if not isinstance(tenant_id, str) or not _ID_RE.match(tenant_id):
+        if not valid_id(tenant_id):
+            raise _unauthorized("invalid_claim", f"'tenant_id' must be {ID_RULE}")
+        if tenant_id in RESERVED_TENANTS:
+            raise _unauthorized("invalid_claim", f"tenant id {tenant_id!r} is reserved")
+        lifetime = self.settings.max_token_lifetime
+        if claims["exp"] - time.time() > lifetime + self.settings.leeway_seconds:
             raise _unauthorized(
-                "invalid_claim", "'tenant_id' must be 1-128 characters of [A-Za-z0-9._:@-]"
+                "invalid_claim", f"token is valid for longer than the {lifetime:.0f} s allowed"
             )
         tier = claims["tier"]
         if not isinstance(tier, str):
@@ -299,12 +376,8 @@ class Authenticator:
         if tier not in self.tiers:
             raise AuthError(403, "tier_not_allowed", f"tier {tier[:64]!r} is not served here")
         session_id = claims.get("session_id")
-        if session_id is not None and (
-            not isinstance(session_id, str) or not _ID_RE.match(session_id)
-        ):
-            raise _unauthorized(
-                "invalid_claim", "'session_id' must be 1-128 characters of [A-Za-z0-9._:@-]"
-            )
+        if session_id is not None and not valid_id(session_id):
+            raise _unauthorized("invalid_claim", f"'session_id' must be {ID_RULE}")
         return TenantContext(tenant_id, tier, _roles(claims.get("roles", [])), session_id)
 
 
@@ -340,21 +413,26 @@ def mint_token(
     if tier not in tiers:
         raise KeyConfigError(f"unknown tier {tier!r} (tiers: {', '.join(tiers)})")
     for value, what in ((tenant_id, "tenant"), (session_id, "session")):
-        if value is not None and not _ID_RE.match(value):
-            raise KeyConfigError(f"{what} id must be 1-128 characters of [A-Za-z0-9._:@-]")
+        if value is not None and not valid_id(value):
+            raise KeyConfigError(f"{what} id must be {ID_RULE}, got {value!r}")
+    if tenant_id in RESERVED_TENANTS:
+        raise KeyConfigError(f"tenant id {tenant_id!r} is reserved by kvlease")
     role_list = sorted(set(roles))
     unknown = set(role_list) - ROLES
     if unknown:
         raise KeyConfigError(f"unknown role(s) {sorted(unknown)} (roles: {sorted(ROLES)})")
-    if ttl_seconds <= 0:
-        raise KeyConfigError("ttl must be positive")
+    settings = settings or AuthSettings()
+    if not (math.isfinite(ttl_seconds) and 0 < ttl_seconds <= settings.max_token_lifetime):
+        raise KeyConfigError(
+            f"ttl must be more than 0 and at most {settings.max_token_lifetime:.0f} seconds "
+            f"({MAX_LIFETIME_ENV}), got {ttl_seconds}"
+        )
     chosen = kid if kid is not None else keyring.signing_kid
     key = keyring.keys.get(chosen)
     if key is None:
         raise KeyConfigError(f"no key with kid {chosen!r} in the key ring")
     if key.sign_key is None:
         raise KeyConfigError(f"key {chosen!r} has no private part: it can verify but not sign")
-    settings = settings or AuthSettings()
     issued = int(time.time() if now is None else now)
     claims: dict[str, Any] = {
         "tenant_id": tenant_id,

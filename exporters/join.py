@@ -10,8 +10,16 @@ A tenant request is known in the API process three ways, each in its own place:
 
 The last two reach this process separately and in either order. `RequestJoin` pairs
 them by the `kvl-...` id (vLLM's engine request ids contain it) and hands each
-finished request to its consumers (the usage-ledger writer, the span builder) once
-both halves are in.
+finished HTTP request to its consumers (the usage-ledger writer, the span builder)
+once both halves of every engine request it became are in.
+
+One HTTP request may become several engine requests (fan-out): `n > 1`, a list of
+prompts on `/v1/completions`, `/v1/chat/completions/batch`, the sub-requests of
+`/v1/responses`. All carry its `kvl-` id, so the join collects every half under it
+and the consumers see one `FinishedRequest` with the children summed. How many to
+wait for: the middleware counts them from the body (`InFlight.engine_requests`);
+where it cannot (`/v1/responses`), the join waits for the response's final byte
+(`request_ended`) and then for as many stats as engine halves.
 
 A request the client abandoned has only the engine half: vLLM's API process drops
 its state on abort and reports no stats for it. So a background sweep delivers an
@@ -77,26 +85,87 @@ class InFlight:
     started_ns: int  # wall clock
     traceparent: str | None = None
     model: str | None = None
+    engine_requests: int | None = 1  # engine requests it becomes; None: known at its end
 
 
 @dataclass
 class FinishedRequest:
+    """One HTTP request's halves: a vLLM `FinishedRequestStats` and a scheduler
+    `RequestDone` per engine request, summed by the properties below."""
+
     key: str  # kvl-... id
     created: float  # monotonic, for the timeout
     entry: InFlight | None = None
-    stats: Any = None  # vLLM FinishedRequestStats
-    done: RequestDone | None = None
-    done_at: float = 0.0  # monotonic arrival of `done`, for the abort grace
-    ended_at: float | None = None  # wall clock when the engine half arrived
+    stats: list[Any] = field(default_factory=list)  # vLLM FinishedRequestStats
+    done: list[RequestDone] = field(default_factory=list)
+    done_at: float = 0.0  # monotonic arrival of the latest `done`, for the abort grace
+    ended_at: float | None = None  # wall clock when the latest engine half arrived
     events: list[Preemption | LeaseEvent] = field(default_factory=list)
+    response_ended: bool = False  # the middleware saw the response's end
+    partial: bool = False  # delivered before every half arrived (timeout, overflow, shutdown)
 
     @property
     def joined(self) -> bool:
-        return self.stats is not None and self.done is not None
+        expected = self.entry.engine_requests if self.entry is not None else 1
+        if expected is None:  # counted at the end: every engine half has its stats
+            return self.response_ended and 0 < len(self.done) == len(self.stats)
+        return len(self.stats) >= expected and len(self.done) >= expected
 
     @property
     def deliverable(self) -> bool:
-        return self.stats is not None or self.done is not None
+        return bool(self.stats or self.done)
+
+    @property
+    def aborted_without_stats(self) -> bool:
+        """vLLM reports no stats for an abandoned request: the engine half is all there is."""
+        return (
+            not self.stats
+            and bool(self.done)
+            and all(status_outcome(d.status) == "aborted" for d in self.done)
+        )
+
+    # The children summed (one engine request: its own figures).
+    @property
+    def prompt_tokens(self) -> int:
+        if self.stats:
+            return sum(s.num_prompt_tokens for s in self.stats)
+        return sum(d.prompt_tokens for d in self.done)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.num_cached_tokens for s in self.stats)
+
+    @property
+    def output_tokens(self) -> int:
+        if self.stats:
+            return sum(s.num_generation_tokens for s in self.stats)
+        return sum(d.output_tokens for d in self.done)
+
+    @property
+    def preemptions(self) -> int:
+        if self.stats:
+            return sum(s.num_preemptions for s in self.stats)
+        return sum(d.preemptions for d in self.done)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return sum(d.recomputed_tokens for d in self.done)
+
+    @property
+    def block_seconds(self) -> float:
+        return sum(d.block_seconds for d in self.done)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """The longest child's engine latency (the request took as long as its slowest)."""
+        return max((s.e2e_latency for s in self.stats), default=None)
+
+    @property
+    def outcome(self) -> str:
+        """The worst child's: failed over aborted over completed."""
+        found = {finish_outcome(s.finish_reason) for s in self.stats}
+        found |= {status_outcome(d.status) for d in self.done}
+        return next((o for o in ("failed", "aborted") if o in found), "completed")
 
 
 Consumer = Callable[[FinishedRequest], None]
@@ -105,8 +174,9 @@ Consumer = Callable[[FinishedRequest], None]
 class RequestJoin:
     """Thread-safe: engine events come from the channel thread, stats and entries from the
     event loop, the sweep from its own thread. Memory: `in_flight` holds one entry per
-    request in this process; at most `max_pending` unfinished joins (the oldest is dropped
-    first); a sweep is O(pending)."""
+    request in this process; at most `max_pending` unfinished joins: past that the oldest
+    is delivered as it is, flagged partial and counted in `overflowed`, never dropped
+    unseen. A sweep is O(pending)."""
 
     def __init__(
         self,
@@ -121,6 +191,7 @@ class RequestJoin:
         self.clock = clock
         self.consumers: list[Consumer] = []
         self.in_flight: dict[str, InFlight] = {}  # kvl- id -> entry, while in this process
+        self.overflowed = 0  # deliveries forced by max_pending
         self._pending: dict[str, FinishedRequest] = {}
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
@@ -137,12 +208,13 @@ class RequestJoin:
         if key is None or not self.consumers:
             return
         with self._lock:
-            pending = self._get(key)
+            pending, ready = self._get(key)
             if isinstance(event, RequestDone):
-                pending.done, pending.done_at, pending.ended_at = event, self.clock(), time.time()
+                pending.done.append(event)
+                pending.done_at, pending.ended_at = self.clock(), time.time()
             else:
                 pending.events.append(event)
-            ready = self._take_if_joined(key)
+            ready += self._take_if_joined(key)
         self._deliver(ready)
 
     def request_stats(self, stats: Any, entry: InFlight | None) -> None:
@@ -150,37 +222,41 @@ class RequestJoin:
         if key is None or not self.consumers:
             return
         with self._lock:
-            pending = self._get(key)
-            pending.stats, pending.entry = stats, entry or pending.entry
-            ready = self._take_if_joined(key)
+            pending, ready = self._get(key)
+            pending.stats.append(stats)
+            pending.entry = pending.entry or entry
+            ready += self._take_if_joined(key)
         self._deliver(ready)
 
-    def request_left(self, request_id: str, entry: InFlight) -> None:
-        """The response ended before its last byte (client gone): keep the entry for the
-        engine half that is still to come. Dropped after `timeout` if nothing comes."""
+    def request_ended(self, request_id: str, entry: InFlight, early: bool = False) -> None:
+        """The response is complete, or ended `early` (client gone): every engine request
+        it became has produced its output. A request whose count was known and whose halves
+        are all in was delivered already: nothing to keep. Otherwise the entry is kept for
+        halves still to come (an aborted request's model and start time); a join with no
+        half is dropped after `timeout`."""
         key = kvlease_id(request_id)
         if key is None or not self.consumers:
             return
         with self._lock:
-            pending = self._get(key)
+            if key not in self._pending and not early and entry.engine_requests is not None:
+                return
+            pending, ready = self._get(key)
             pending.entry = pending.entry or entry
+            pending.response_ended = True
+            ready += self._take_if_joined(key)
+        self._deliver(ready)
 
     def sweep(self) -> None:
         """Deliver aborted requests past their grace and half-joins past the timeout."""
         now = self.clock()
         with self._lock:
-            due = [
-                key
-                for key, p in self._pending.items()
-                if now - p.created >= self.timeout
-                or (
-                    p.stats is None
-                    and p.done is not None
-                    and status_outcome(p.done.status) == "aborted"
-                    and now - p.done_at >= self.abort_grace
-                )
-            ]
-            ready = [p for p in map(self._pending.pop, due) if p.deliverable]
+            ready = []
+            for key in list(self._pending):
+                p = self._pending[key]
+                if p.aborted_without_stats and now - p.done_at >= self.abort_grace:
+                    ready.append(self._pending.pop(key))
+                elif now - p.created >= self.timeout:
+                    ready += self._release(key)
         self._deliver(ready)
 
     def start(self, interval: float = 1.0) -> None:
@@ -202,17 +278,27 @@ class RequestJoin:
     def flush(self) -> None:
         """Deliver everything with at least one half (at shutdown)."""
         with self._lock:
-            items = [p for p in self._pending.values() if p.deliverable]
-            self._pending.clear()
+            items = [p for key in list(self._pending) for p in self._release(key)]
         self._deliver(items)
 
-    def _get(self, key: str) -> FinishedRequest:
+    def _get(self, key: str) -> tuple[FinishedRequest, list[FinishedRequest]]:
+        """The pending join for `key` (created with its in-flight entry), and what had to be
+        released to make room for it."""
+        released: list[FinishedRequest] = []
         pending = self._pending.get(key)
         if pending is None:
             if len(self._pending) >= self.max_pending:
-                self._pending.pop(next(iter(self._pending)))
-            pending = self._pending[key] = FinishedRequest(key, self.clock())
-        return pending
+                released = self._release(next(iter(self._pending)))
+                self.overflowed += len(released)
+            pending = FinishedRequest(key, self.clock(), self.in_flight.get(key))
+            self._pending[key] = pending
+        return pending, released
+
+    def _release(self, key: str) -> list[FinishedRequest]:
+        """Take `key` out unjoined: delivered flagged partial if it has a half, else gone."""
+        p = self._pending.pop(key)
+        p.partial = not p.aborted_without_stats
+        return [p] if p.deliverable else []
 
     def _take_if_joined(self, key: str) -> list[FinishedRequest]:
         return [self._pending.pop(key)] if self._pending[key].joined else []

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 
 from sqlalchemy import (
+    Boolean,
     Column,
     Float,
     Integer,
@@ -50,6 +51,7 @@ class UsageRecord:
     preemptions: int
     kv_block_seconds: float
     outcome: str
+    partial: bool = False  # delivered before every half arrived: figures may be low
 
 
 metadata = MetaData()
@@ -70,6 +72,7 @@ records = Table(
     Column("preemptions", Integer, nullable=False),
     Column("kv_block_seconds", Float, nullable=False),
     Column("outcome", String(16), nullable=False),
+    Column("partial", Boolean, nullable=False, default=False),
 )
 # Version -> statements. Append, never edit: a database at version N runs N+1.. only.
 MIGRATIONS: dict[int, Sequence[str]] = {
@@ -85,6 +88,7 @@ MIGRATIONS: dict[int, Sequence[str]] = {
         " (tenant_id, ended_at)",
         "CREATE INDEX IF NOT EXISTS usage_records_end ON usage_records (ended_at)",
     ),
+    2: ("ALTER TABLE usage_records ADD COLUMN partial BOOLEAN NOT NULL DEFAULT FALSE",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 assert [c.name for c in records.columns] == [f.name for f in fields(UsageRecord)]

@@ -157,6 +157,18 @@ LEDGER_ERRORS = Family(
     "counter",
     "Failed ledger commits by this API process (the batch is retried, never dropped).",
 )
+LEDGER_DEAD_LETTERS = Family(
+    "vllm_tenant_ledger_dead_letters_total",
+    "counter",
+    "Usage records the ledger database refused for their data, set aside to the "
+    "dead-letter file instead of blocking the others.",
+)
+JOIN_OVERFLOWS = Family(
+    "vllm_tenant_join_overflows_total",
+    "counter",
+    "Requests recorded before both halves arrived because the request join was full "
+    "(their usage records are flagged partial).",
+)
 TENANT_INFO = Family(
     "vllm_tenant_info",
     "gauge",
@@ -188,6 +200,8 @@ FAMILIES = (
     RUNNING,
     LEDGER_RECORDS,
     LEDGER_ERRORS,
+    LEDGER_DEAD_LETTERS,
+    JOIN_OVERFLOWS,
     TENANT_INFO,
     EVENTS_DROPPED,
 )
@@ -200,6 +214,16 @@ def _family(f: Family) -> Metric:
     if f.kind == "gauge":
         return GaugeMetricFamily(f.name, f.help, labels=f.labels)
     return HistogramMetricFamily(f.name, f.help, labels=f.labels)
+
+
+@dataclass(frozen=True)
+class ProcessCounts:
+    """This API process's own counters, read at each scrape."""
+
+    ledger_records: int = 0
+    ledger_write_errors: int = 0
+    ledger_dead_letters: int = 0
+    join_overflows: int = 0
 
 
 @dataclass
@@ -227,10 +251,10 @@ class TenantMetrics:
         view: EngineView,
         tiers: TierTable,
         labels: TenantLabels,
-        ledger_counts: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        process_counts: Callable[[], ProcessCounts] = ProcessCounts,
     ) -> None:
         self.view, self.tiers, self.labels = view, tiers, labels
-        self.ledger_counts = ledger_counts  # (records written, failed commits)
+        self.process_counts = process_counts
         self._lock = threading.Lock()
         self._tokens: Counter[tuple[str, str]] = Counter()
         self._requests: Counter[tuple[str, str]] = Counter()
@@ -268,9 +292,11 @@ class TenantMetrics:
         for name, hists in ((TTFT.name, ttft), (E2E.name, e2e)):
             for tier, (buckets, total) in sorted(hists.items()):
                 fam[name].add_metric([tier], buckets, total)
-        written, errors = self.ledger_counts()
-        fam[LEDGER_RECORDS.name].add_metric([], written)
-        fam[LEDGER_ERRORS.name].add_metric([], errors)
+        counts = self.process_counts()
+        fam[LEDGER_RECORDS.name].add_metric([], counts.ledger_records)
+        fam[LEDGER_ERRORS.name].add_metric([], counts.ledger_write_errors)
+        fam[LEDGER_DEAD_LETTERS.name].add_metric([], counts.ledger_dead_letters)
+        fam[JOIN_OVERFLOWS.name].add_metric([], counts.join_overflows)
         yield from fam.values()
 
     def _engine_families(self, fam: dict[str, Metric], state: EngineState, tokens: Counter) -> None:

@@ -28,7 +28,7 @@ from engine.tenancy import TierTable
 from exporters import tracing
 from exporters.join import RequestJoin
 from exporters.ledger import DB_ENV, UsageLedger
-from exporters.metrics import TenantMetrics
+from exporters.metrics import ProcessCounts, TenantMetrics
 from exporters.view import EngineView
 from exporters.writer import LedgerWriter
 
@@ -50,7 +50,7 @@ class Telemetry:
                 return self
             self.view.start()
             self.metrics = TenantMetrics(
-                self.view, TierTable.load(), TenantLabels.from_env(), self._ledger_counts
+                self.view, TierTable.load(), TenantLabels.from_env(), self._counts
             )
             REGISTRY.register(self.metrics)
             if os.environ.get(DB_ENV):
@@ -75,9 +75,11 @@ class Telemetry:
         """The ledger this process writes, or the configured one (for reads)."""
         return self.writer.ledger if self.writer is not None else UsageLedger()
 
-    def _ledger_counts(self) -> tuple[int, int]:
-        writer = self.writer
-        return (writer.written, writer.write_errors) if writer else (0, 0)
+    def _counts(self) -> ProcessCounts:
+        writer, overflows = self.writer, self.join.overflowed
+        if writer is None:
+            return ProcessCounts(join_overflows=overflows)
+        return ProcessCounts(writer.written, writer.write_errors, writer.dead_letters, overflows)
 
 
 TELEMETRY = Telemetry()

@@ -39,25 +39,26 @@ class SpanBuilder:
         self.tracer = tracer
 
     def __call__(self, p: FinishedRequest) -> None:
-        if p.stats is None:
+        if not p.stats:
             return  # no vLLM stats (a request that never produced output): no span
-        stats, entry, done = p.stats, p.entry, p.done
-        end_ns = entry.started_ns + int(stats.e2e_latency * 1e9) if entry else time.time_ns()
-        start_ns = entry.started_ns if entry else end_ns - int(stats.e2e_latency * 1e9)
+        entry, latency = p.entry, p.e2e_latency or 0.0
+        end_ns = entry.started_ns + int(latency * 1e9) if entry else time.time_ns()
+        start_ns = entry.started_ns if entry else end_ns - int(latency * 1e9)
         operation = OPERATIONS.get(entry.path, "generate_content") if entry else "generate_content"
         model = (entry.model if entry else None) or "unknown"
         parent = None
         if entry is not None and entry.traceparent:
             parent = TraceContextTextMapPropagator().extract({"traceparent": entry.traceparent})
+        reasons = [FINISH_REASONS.get(int(s.finish_reason), "") for s in p.stats]
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.request.model": model,
-            "gen_ai.response.id": stats.request_id,
-            "gen_ai.response.finish_reasons": [FINISH_REASONS.get(int(stats.finish_reason), "")],
-            "gen_ai.usage.input_tokens": stats.num_prompt_tokens,
-            "gen_ai.usage.output_tokens": stats.num_generation_tokens,
-            "kvlease.cached_input_tokens": stats.num_cached_tokens,
-            "kvlease.preemptions": stats.num_preemptions,
+            "gen_ai.response.id": p.stats[0].request_id,
+            "gen_ai.response.finish_reasons": reasons,
+            "gen_ai.usage.input_tokens": p.prompt_tokens,
+            "gen_ai.usage.output_tokens": p.output_tokens,
+            "kvlease.cached_input_tokens": p.cached_tokens,
+            "kvlease.preemptions": p.preemptions,
         }
         if entry is not None:
             ctx = entry.ctx
@@ -65,9 +66,9 @@ class SpanBuilder:
             attributes["kvlease.tier"] = ctx.tier
             if ctx.session_id:
                 attributes["kvlease.session_id"] = ctx.session_id
-        if done is not None:
-            attributes["kvlease.kv_block_seconds"] = done.block_seconds
-            attributes["kvlease.recomputed_tokens"] = done.recomputed_tokens
+        if p.done:
+            attributes["kvlease.kv_block_seconds"] = p.block_seconds
+            attributes["kvlease.recomputed_tokens"] = p.recomputed_tokens
         attributes["kvlease.lease_active"] = any(
             isinstance(e, LeaseEvent) and e.kind in ("start", "renew") for e in p.events
         )

@@ -13,31 +13,34 @@ even across a crash.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
 import threading
 import time
+from dataclasses import asdict
+from pathlib import Path
+
+from sqlalchemy.exc import DataError, IntegrityError
 
 from engine.labels import UNCLASSIFIED
-from exporters.join import FinishedRequest, finish_outcome, status_outcome
+from engine.paths import kvlease_home
+from exporters.join import FinishedRequest
 from exporters.ledger import UsageLedger, UsageRecord
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
+DEAD_LETTER_FILE = "ledger-dead-letters.jsonl"  # under KVLEASE_HOME
 logger = logging.getLogger("kvlease.ledger")
 
 
 def to_record(p: FinishedRequest) -> UsageRecord:
-    stats, done, entry = p.stats, p.done, p.entry
+    """One HTTP request's record: its engine requests summed (fan-out is one record)."""
+    entry, done = p.entry, p.done[0] if p.done else None
     ctx = entry.ctx if entry is not None else None
     now = time.time()
-    started = (
-        entry.started_ns / 1e9 if entry is not None else now - (stats.e2e_latency if stats else 0.0)
-    )
-    if stats is not None:
-        outcome = finish_outcome(stats.finish_reason)
-    else:
-        outcome = status_outcome(done.status) if done else "completed"
+    latency = p.e2e_latency
+    started = entry.started_ns / 1e9 if entry is not None else now - (latency or 0.0)
     return UsageRecord(
         request_id=p.key,
         tenant_id=(ctx.tenant_id if ctx else done and done.tenant_id) or UNCLASSIFIED,
@@ -45,26 +48,33 @@ def to_record(p: FinishedRequest) -> UsageRecord:
         session_id=ctx.session_id if ctx else done and done.session_id,
         model=(entry.model if entry is not None else None) or "unknown",
         started_at=started,
-        ended_at=started + stats.e2e_latency if stats else (p.ended_at or now),
-        input_tokens=stats.num_prompt_tokens if stats else done.prompt_tokens if done else 0,
-        cached_input_tokens=stats.num_cached_tokens if stats else 0,
-        output_tokens=stats.num_generation_tokens if stats else done.output_tokens if done else 0,
-        recomputed_tokens=done.recomputed_tokens if done else 0,
-        preemptions=stats.num_preemptions if stats else done.preemptions if done else 0,
-        kv_block_seconds=done.block_seconds if done else 0.0,
-        outcome=outcome,
+        ended_at=started + latency if latency is not None else (p.ended_at or now),
+        input_tokens=p.prompt_tokens,
+        cached_input_tokens=p.cached_tokens,
+        output_tokens=p.output_tokens,
+        recomputed_tokens=p.recomputed_tokens,
+        preemptions=p.preemptions,
+        kv_block_seconds=p.block_seconds,
+        outcome=p.outcome,
+        partial=p.partial,
     )
 
 
 class LedgerWriter:
     """Queue in, batches out. Records are never dropped on a failed commit: the batch is
-    retried (writes are idempotent) and `write_errors` counts the failures."""
+    retried (writes are idempotent) and `write_errors` counts the failures. A record the
+    database refuses for its data (too long a value, a constraint) is set aside alone,
+    to the dead-letter file, counted in `dead_letters`: it never blocks the others."""
 
-    def __init__(self, ledger: UsageLedger, batch: int = 512) -> None:
+    def __init__(
+        self, ledger: UsageLedger, batch: int = 512, dead_letter_path: Path | None = None
+    ) -> None:
         self.ledger = ledger
         self.batch = batch
+        self.dead_letter_path = dead_letter_path or kvlease_home() / DEAD_LETTER_FILE
         self.write_errors = 0
         self.written = 0
+        self.dead_letters = 0
         self._queue: queue.Queue[UsageRecord | None] = queue.Queue()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._committed_early: set[str] = set()
@@ -114,9 +124,9 @@ class LedgerWriter:
         delay = 0.5
         while True:
             try:
-                self.ledger.write(batch)
+                self._write_isolating(batch)
                 break
-            except Exception:
+            except Exception:  # the database itself: retry the batch, never drop it
                 self.write_errors += 1
                 logger.exception(
                     "kvlease ledger: commit of %d records failed; retrying", len(batch)
@@ -134,6 +144,38 @@ class LedgerWriter:
                 loop.call_soon_threadsafe(_resolve, future)
             if len(self._committed_early) > 100_000:  # records no response waited for
                 self._committed_early.clear()
+
+    def _write_isolating(self, batch: list[UsageRecord]) -> None:
+        """Write `batch`; when the database refuses its data (not its connection), bisect it
+        so each record that fails alone goes to the dead-letter file and the rest commit.
+        O(log n) extra commits per bad record."""
+        try:
+            self.ledger.write(batch)
+        except (DataError, IntegrityError) as exc:
+            if len(batch) == 1:
+                self._dead_letter(batch[0], exc)
+                return
+            middle = len(batch) // 2
+            self._write_isolating(batch[:middle])
+            self._write_isolating(batch[middle:])
+
+    def _dead_letter(self, record: UsageRecord, exc: Exception) -> None:
+        """Set aside a record the database will never take, with the reason: one JSON line
+        each, appended and fsynced, for an operator to fix and replay (writes are idempotent)."""
+        self.dead_letters += 1
+        reason = str(getattr(exc, "orig", exc)).splitlines()[0][:500]
+        logger.error(
+            "kvlease ledger: record %s refused by the database (%s); set aside in %s",
+            record.request_id[:64],
+            reason,
+            self.dead_letter_path,
+        )
+        line = json.dumps({"record": asdict(record), "reason": reason}) + "\n"
+        self.dead_letter_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.dead_letter_path.open("a", encoding="utf-8") as out:
+            out.write(line)
+            out.flush()
+            os.fsync(out.fileno())
 
     def close(self, timeout: float = 10.0) -> None:
         self._queue.put(None)

@@ -37,7 +37,7 @@ from grafana_foundation_sdk.models.dashboard import (
 from engine.settings import KEYS
 from engine.tenancy import TierTable
 from exporters import metrics as m
-from exporters.writer import WAIT_ENV
+from exporters.writer import DEAD_LETTER_FILE, WAIT_ENV
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_DIR = HERE / "dashboards"
@@ -294,8 +294,9 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
         ),
         Panel(
             "Ledger writes",
-            "Usage records committed per second, and failed commits (retried, never "
-            "dropped; the alert fires on any).",
+            "Usage records committed per second; failed commits (retried, never dropped), "
+            "records the database refused (set aside to the dead-letter file) and records "
+            "written partial because the request join was full (alerts fire on each).",
             (
                 Query(
                     _sum("rate", m.LEDGER_RECORDS.name, "", SEL),
@@ -304,6 +305,14 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
                 Query(
                     _sum("increase", m.LEDGER_ERRORS.name, "", SEL),
                     "write errors",
+                ),
+                Query(
+                    _sum("increase", m.LEDGER_DEAD_LETTERS.name, "", SEL),
+                    "dead letters",
+                ),
+                Query(
+                    _sum("increase", m.JOIN_OVERFLOWS.name, "", SEL),
+                    "partial (join full)",
                 ),
             ),
             width=24,
@@ -502,6 +511,28 @@ def alert_rules(tiers: TierTable) -> list[dict[str, Any]]:
                 "description": "{{ $value | humanize }} failed ledger commits in 5 minutes. "
                 "Records are retried, not dropped, but responses wait for their record "
                 f"({WAIT_ENV}): check the ledger database.",
+            },
+        },
+        {
+            "alert": "KvleaseLedgerDeadLetters",
+            "expr": f"{by} (increase({m.LEDGER_DEAD_LETTERS.name}[10m])) > 0",
+            "labels": {"severity": "critical"},
+            "annotations": {
+                "summary": "Usage records were refused by the ledger on {{ $labels.instance }}",
+                "description": "{{ $value | humanize }} records the database would not take "
+                f"were set aside to {DEAD_LETTER_FILE} under KVLEASE_HOME: they are not "
+                "billed until an operator fixes and replays them.",
+            },
+        },
+        {
+            "alert": "KvleaseJoinOverflow",
+            "expr": f"{by} (increase({m.JOIN_OVERFLOWS.name}[10m])) > 0",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "The request join overflowed on {{ $labels.instance }}",
+                "description": "{{ $value | humanize }} requests were recorded before both "
+                "halves arrived (flagged partial in the ledger): the engine channel or the "
+                "stat logger lags far behind.",
             },
         },
     ]

@@ -31,7 +31,14 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.auth import Authenticator, AuthError, AuthSettings, KeyConfigError, KeyRing
+from engine.auth import (
+    KEYS_ENV,
+    Authenticator,
+    AuthError,
+    AuthSettings,
+    KeyConfigError,
+    KeyRing,
+)
 from engine.tenancy import TenantContext, TierTable
 from exporters.join import InFlight, new_request_id
 from exporters.telemetry import TELEMETRY
@@ -63,13 +70,18 @@ TENANT_PREFIXES = ("/v1/", "/inference/")
 TENANT_PATHS = frozenset(
     {"/tokenize", "/detokenize", "/pooling", "/classify", "/score", "/rerank", "/invocations"}
 )
-ADMIN_PATHS = frozenset({"/inference/v1/abort_requests"})  # would abort anyone's request
+# Operational routes that would touch every tenant: abort anyone's request, swap adapters.
+ADMIN_PATHS = frozenset(
+    {"/inference/v1/abort_requests", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+)
+RESPONSES_PATH = "/v1/responses"
 # Routes whose successful responses are engine requests with a usage record.
 GENERATION_PATHS = frozenset(
     {
         "/v1/chat/completions",
+        "/v1/chat/completions/batch",
         "/v1/completions",
-        "/v1/responses",
+        RESPONSES_PATH,
         "/v1/messages",
         "/inference/v1/generate",
     }
@@ -105,7 +117,9 @@ class ServerConfig:
         """Everything from `KVLEASE_*` variables; raises ConfigError with the fix."""
         try:
             tiers = TierTable.load()
-            auth = Authenticator(KeyRing.from_config(), tiers, AuthSettings.from_env())
+            auth = Authenticator(
+                KeyRing.from_config(), tiers, AuthSettings.from_env(), os.environ.get(KEYS_ENV)
+            )
         except (KeyConfigError, ValueError) as exc:
             raise ConfigError(str(exc)) from exc
         raw_key = os.environ.get(SALT_KEY_ENV)
@@ -163,6 +177,27 @@ def route_class(path: str) -> str:
     return "admin"
 
 
+def engine_requests(path: str, doc: dict[str, Any]) -> int | None:
+    """How many engine requests vLLM makes of this body (None: only known at its end).
+
+    `n` choices per prompt; a list of prompts on /v1/completions; one conversation each
+    on /v1/chat/completions/batch; /v1/responses may loop through sub-requests (tools).
+    A malformed field counts as 1: vLLM refuses the body before any engine request."""
+    if path == RESPONSES_PATH:
+        return None
+    params = doc.get("sampling_params") if path == "/inference/v1/generate" else doc
+    n = params.get("n", 1) if isinstance(params, dict) else 1
+    n = n if type(n) is int and n >= 1 else 1
+    if path == "/v1/chat/completions/batch":
+        conversations = doc.get("messages")
+        return len(conversations) if isinstance(conversations, list) and conversations else 1
+    prompt = doc.get("prompt")
+    if path == "/v1/completions" and isinstance(prompt, list) and prompt:
+        one_prompt_of_token_ids = all(type(t) is int for t in prompt)
+        return n if one_prompt_of_token_ids else n * len(prompt)
+    return n
+
+
 class TenantMiddleware:
     """Verifies tenants and rewrites their requests; see the module docstring.
 
@@ -180,7 +215,9 @@ class TenantMiddleware:
             # A websocket body cannot be rewritten, so it would reach the engine unsalted.
             await send({"type": "websocket.close", "code": 1008, "reason": "not served"})
             return
-        klass = route_class(scope["path"]) if scope["type"] == "http" else "public"
+        klass = "public"  # lifespan, and CORS preflights (they carry no credentials)
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            klass = route_class(scope["path"])
         if klass == "public":
             await self.app(scope, receive, send)
             return
@@ -213,9 +250,9 @@ class TenantMiddleware:
     async def _tenant_request(
         self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext
     ) -> None:
-        """Count it against the tier's limit, give it an id, rewrite its body, and follow
-        its response: the usage record committed before the last byte, or the entry handed
-        to the join when the response ends early."""
+        """Count it against the tier's limit (before its body is read, so a slow body
+        cannot slip past the limit), give it an id, rewrite its body, and follow its
+        response: the usage record committed before the last byte."""
         limit = self.config.tiers[ctx.tier].max_concurrent_requests
         if limit is not None and self.in_flight[ctx.tenant_id] >= limit:
             await send_error(
@@ -227,41 +264,49 @@ class TenantMiddleware:
                 [(b"retry-after", b"1")],
             )
             return
+        self.in_flight[ctx.tenant_id] += 1
+        try:
+            await self._admitted(scope, receive, send, ctx)
+        finally:
+            self.in_flight[ctx.tenant_id] -= 1
+            if not self.in_flight[ctx.tenant_id]:
+                del self.in_flight[ctx.tenant_id]
+
+    async def _admitted(
+        self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext
+    ) -> None:
         request_id = new_request_id()
         entry = InFlight(ctx, scope["path"], time.time_ns(), _header(scope, b"traceparent"))
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
         scope["headers"] = [*headers, (b"x-request-id", request_id.encode())]
         if scope["method"] == "POST":
-            rewritten = await self._rewrite_body(scope, receive, send, entry)
+            rewritten = await self._rewrite_body(scope, receive, send, entry, request_id)
             if rewritten is None:
                 return  # already answered with an error
             receive = rewritten
 
         join, writer = TELEMETRY.join, TELEMETRY.writer
+        generation = scope["path"] in GENERATION_PATHS
         record = None  # resolved once this request's usage record has committed
-        if writer is not None and scope["path"] in GENERATION_PATHS:
+        if writer is not None and generation:
             record = writer.expect(request_id)
-        response = _Response(send, scope["path"], request_id, record)
-        self.in_flight[ctx.tenant_id] += 1
+        response = _Response(send, scope["path"], request_id, entry, record, generation)
         join.in_flight[request_id] = entry
         try:
             await self.app(scope, receive, response.send)
         finally:
             if record is not None:
                 writer.forget(request_id)
-            if not response.ended:
-                join.request_left(request_id, entry)  # its record comes from the engine alone
+            if generation and not response.ended:
+                join.request_ended(request_id, entry, early=True)  # record from the engine alone
             join.in_flight.pop(request_id, None)
-            self.in_flight[ctx.tenant_id] -= 1
-            if not self.in_flight[ctx.tenant_id]:
-                del self.in_flight[ctx.tenant_id]
 
     async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
         headers = [(b"www-authenticate", b'Bearer realm="kvlease"')] if status == 401 else []
         await send_error(send, status, message, code, headers)
 
     async def _rewrite_body(
-        self, scope: Scope, receive: Receive, send: Send, entry: InFlight
+        self, scope: Scope, receive: Receive, send: Send, entry: InFlight, request_id: str
     ) -> Receive | None:
         """Read the body, put the tenant fields in, and replay it to the app."""
         chunks, size = [], 0
@@ -293,13 +338,18 @@ class TenantMiddleware:
             return None
         try:
             doc = json.loads(body) if body else None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            await send_error(send, 400, f"request body is not valid JSON: {exc}", "invalid_json")
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, huge ints, deep nesting
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            await send_error(send, 400, f"request body is not valid JSON: {reason}", "invalid_json")
             return None
         if isinstance(doc, dict):
             ctx = entry.ctx
             if isinstance(doc.get("model"), str):
                 entry.model = doc["model"]
+            entry.engine_requests = engine_requests(scope["path"], doc)
+            if scope["path"] == RESPONSES_PATH:
+                # vLLM names a response's engine requests from the body, not X-Request-Id.
+                doc["request_id"] = f"resp_{request_id}"
             doc["vllm_xargs"] = ctx.extra_args()
             if isinstance(doc.get("sampling_params"), dict):  # /inference/v1/generate
                 doc["sampling_params"]["extra_args"] = ctx.extra_args()
@@ -327,9 +377,16 @@ class _Response:
     usage record has committed (`record`), within a bound."""
 
     def __init__(
-        self, send: Send, path: str, request_id: str, record: asyncio.Future | None
+        self,
+        send: Send,
+        path: str,
+        request_id: str,
+        entry: InFlight,
+        record: asyncio.Future | None,
+        generation: bool,
     ) -> None:
         self._send, self.path, self.request_id, self.record = send, path, request_id, record
+        self.entry, self.generation = entry, generation
         self.unsupported = False
         self.hold = False
         self.ended = False  # the last body chunk went out
@@ -347,6 +404,9 @@ class _Response:
         elif self.unsupported:
             return
         elif not message.get("more_body", False):
+            if self.generation:
+                # Every engine request has produced its output: the join may count them.
+                TELEMETRY.join.request_ended(self.request_id, self.entry)
             if self.hold:
                 await _until_committed(self.record, self.request_id)
             self.ended = True

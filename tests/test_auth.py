@@ -333,3 +333,48 @@ def test_settings_come_from_the_environment():
 def test_bad_leeway_is_a_clear_error(leeway):
     with pytest.raises(KeyConfigError, match="KVLEASE_JWT_LEEWAY"):
         AuthSettings.from_env({"KVLEASE_JWT_LEEWAY": leeway})
+
+
+@pytest.mark.parametrize("tenant", ["acme\n", "acme\nbob", "x" * 129, ""])
+def test_an_id_must_be_the_whole_claim_not_a_prefix_of_it(auth, secret, tenant):
+    assert _refused(auth, _sign(secret, _claims(tenant_id=tenant))).code == "invalid_claim"
+
+
+@pytest.mark.parametrize("tenant", ["__other__", "__unclassified__", "anonymous"])
+def test_kvleases_own_label_values_are_refused_as_tenant_ids(auth, hs_ring, tiers, secret, tenant):
+    """They would merge with the overflow labels (and the anonymous identity's cache salt)."""
+    assert _refused(auth, _sign(secret, _claims(tenant_id=tenant))).code == "invalid_claim"
+    with pytest.raises(KeyConfigError, match="reserved"):
+        mint_token(hs_ring, tiers, tenant_id=tenant, tier="free")
+
+
+def test_a_token_valid_for_longer_than_the_maximum_lifetime_is_refused(hs_ring, tiers, secret):
+    auth = Authenticator(hs_ring, tiers, AuthSettings(max_token_lifetime=3600))
+    now = int(time.time())
+    assert auth.verify(_sign(secret, _claims(exp=now + 3600))).tenant_id == "acme"
+    refused = _refused(auth, _sign(secret, _claims(exp=now + 10**12)))
+    assert refused.code == "invalid_claim" and "longer" in refused.message
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan"), 1e300, 31 * 86400, 0])
+def test_mint_refuses_a_lifetime_past_the_maximum(hs_ring, tiers, ttl):
+    with pytest.raises(KeyConfigError, match="ttl"):
+        mint_token(hs_ring, tiers, tenant_id="acme", tier="free", ttl_seconds=ttl)
+
+
+def test_a_kid_removed_from_the_key_file_stops_verifying_without_a_restart(tiers, tmp_path):
+    old, new = private_jwk("2026-10", "RS256"), private_jwk("2026-11", "ES256")
+    old_token = mint_token(KeyRing.from_jwks({"keys": [old]}), tiers, tenant_id="a", tier="free")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [public_half(new), public_half(old)]}))
+    clock = [0.0]
+    auth = Authenticator(KeyRing.from_file(keys), tiers, key_file=keys, clock=lambda: clock[0])
+    assert auth.verify(old_token).tenant_id == "a"
+
+    keys.write_text(json.dumps({"keys": [public_half(new)]}))
+    clock[0] += 2.0  # past the once-a-second check
+    assert _refused(auth, old_token).code == "unknown_kid"
+
+    keys.write_text("{not json")  # a broken edit keeps the ring that works
+    clock[0] += 2.0
+    assert _refused(auth, old_token).code == "unknown_kid"

@@ -81,3 +81,19 @@ def test_token_uses_the_tier_file_given(env_secret, tmp_path, capsys):
     )
     assert main(["token", "--tenant", "acme", "--tier", "gold", "--tiers", str(custom)]) == 0
     assert main(["token", "--tenant", "acme", "--tier", "gold"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ttl", "inf"], "ttl"),
+        (["--ttl", "1e300"], "ttl"),
+        (["--tenant", "acme\n"], "tenant id"),
+        (["--tenant", "__other__"], "reserved"),
+    ],
+)
+def test_bad_token_requests_exit_2_with_one_line(env_secret, capsys, args, message):
+    argv = ["token", "--tenant", "acme", "--tier", "free", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -11,7 +11,7 @@ import pytest
 from records import NOV, rec
 
 from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows, period, record_cost
-from exporters.ledger import SCHEMA_VERSION, UsageLedger
+from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, UsageLedger
 from server.cli import main
 
 
@@ -38,6 +38,26 @@ def test_schema_is_versioned_and_migration_is_idempotent(ledger):
     with ledger.engine.connect() as conn:
         versions = conn.exec_driver_sql("SELECT version FROM kvlease_schema").scalars().all()
     assert versions == sorted(set(versions)) == list(range(1, SCHEMA_VERSION + 1))
+
+
+def test_a_version_1_ledger_is_migrated_and_keeps_its_records(tmp_path):
+    """Records written before the `partial` column read back as complete."""
+    import sqlite3
+
+    path = tmp_path / "v1.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE kvlease_schema (version INTEGER)")
+        db.execute("INSERT INTO kvlease_schema VALUES (1)")
+        for statement in MIGRATIONS[1]:
+            db.execute(statement)
+        db.execute(
+            "INSERT INTO usage_records VALUES "
+            "('kvl-old', 'acme', 'premium', NULL, 'm', 1.0, 2.0, 10, 0, 5, 0, 0, 0.5, 'completed')"
+        )
+    ledger = UsageLedger(f"sqlite:///{path}")
+    [old] = ledger.read(0, 4e9)
+    assert (old.request_id, old.output_tokens, old.partial) == ("kvl-old", 5, False)
+    assert ledger.write([rec(1)]) == 1
 
 
 def test_sqlite_runs_in_wal_mode(ledger):
@@ -149,3 +169,33 @@ def test_cli_export_writes_focus_and_raw_csv(ledger, tiers, tmp_path, capsys):
     assert [r["tenant_id"] for r in raw] == ["bob"] and raw[0]["ended_at"].endswith("Z")
     bad = main(["usage", "export", "--usage-db", ledger.url, "--from", "yesterday"])
     assert bad == 2
+
+
+def test_a_record_the_database_refuses_is_set_aside_and_never_blocks_the_others(ledger, tmp_path):
+    """One bad record in a batch: bisected out to the dead-letter file, the rest commit,
+    and a response waiting for the bad one is released, not held."""
+    import asyncio
+    import dataclasses
+    import json
+
+    from exporters.writer import LedgerWriter
+
+    bad = dataclasses.replace(rec(3), model=None)  # NOT NULL, on every backend
+    batch = [rec(1), rec(2), bad, rec(4), rec(5)]
+    if ledger.engine.dialect.name == "postgresql":
+        batch.append(dataclasses.replace(rec(6), tenant_id="t" * 129))  # VARCHAR(128)
+    dead = tmp_path / "dead.jsonl"
+    writer = LedgerWriter(ledger, dead_letter_path=dead)
+
+    async def wait_for_the_bad_one():
+        released = writer.expect(bad.request_id)
+        writer._commit(batch)  # as the writer thread would, in one batch
+        await asyncio.wait_for(released, 5)
+
+    asyncio.run(wait_for_the_bad_one())
+    writer.close()
+    assert ledger.count() == 4
+    lines = [json.loads(line) for line in dead.read_text().splitlines()]
+    assert writer.dead_letters == len(lines) == len(batch) - 4
+    assert lines[0]["record"]["request_id"] == bad.request_id and lines[0]["reason"]
+    assert writer.write_errors == 0  # a data error is not a database outage

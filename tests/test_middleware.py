@@ -6,7 +6,7 @@ import json
 import pytest
 
 from engine.auth import Authenticator, mint_token
-from server.middleware import ServerConfig, TenantMiddleware, route_class
+from server.middleware import ServerConfig, TenantMiddleware, engine_requests, route_class
 
 
 class Recorder:
@@ -57,7 +57,7 @@ def call(app, path, method="POST", body=b"", headers=(), chunks=None):
 
 @pytest.fixture
 def config(hs_ring, tiers):
-    return ServerConfig(Authenticator(hs_ring, tiers), tiers, b"k" * 32, max_body_bytes=4096)
+    return ServerConfig(Authenticator(hs_ring, tiers), tiers, b"k" * 32, max_body_bytes=8192)
 
 
 @pytest.fixture
@@ -140,6 +140,9 @@ def test_public_routes_need_no_token(app, path):
         ("/reset_prefix_cache", (), 403),
         ("/pause", ("admin",), 200),
         ("/admin/state", (), 200),  # the admin route itself checks the role
+        ("/v1/load_lora_adapter", (), 403),  # would change every tenant's model
+        ("/v1/unload_lora_adapter", (), 403),
+        ("/v1/load_lora_adapter", ("admin",), 200),
     ],
 )
 def test_operational_routes_need_the_admin_role(app, hs_ring, tiers, path, roles, status):
@@ -182,7 +185,9 @@ def test_route_classes():
             415,
             "unsupported_media_type",
         ),
-        (b"x" * 5000, [JSON], 413, "body_too_large"),
+        (b"x" * 9000, [JSON], 413, "body_too_large"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", [JSON], 400, "invalid_json"),  # int limit
+        (b"[" * 2000 + b"]" * 2000, [JSON], 400, "invalid_json"),  # recursion
     ],
 )
 def test_bad_bodies_are_answered_in_openai_shape(app, hs_ring, tiers, body, headers, status, code):
@@ -272,3 +277,71 @@ def test_an_api_the_model_does_not_support_is_a_404_not_a_501(config, hs_ring, t
     status, _, body = call(app, "/v1/systemone", body=b"{}", headers=[bearer(hs_ring, tiers), JSON])
     assert status == 404
     assert json.loads(body)["error"]["code"] == "not_supported"
+
+
+def test_the_limit_counts_a_request_before_its_body_arrives(config, hs_ring, tiers):
+    """50 requests whose bodies come a tick after their headers: 8 admitted (free's cap)."""
+    release = asyncio.Event()
+    app = TenantMiddleware(Recorder(), config)
+    auth = bearer(hs_ring, tiers, "slow", "free")
+
+    async def one():
+        sent = []
+
+        async def receive():
+            await release.wait()  # the body is late
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [
+                (auth[0].lower().encode(), auth[1].encode()),
+                (b"content-type", b"application/json"),
+            ],
+        }
+        await app(scope, receive, send)
+        return sent[0]["status"]
+
+    async def main():
+        tasks = [asyncio.create_task(one()) for _ in range(50)]
+        await asyncio.sleep(0.01)
+        release.set()
+        return sorted(await asyncio.gather(*tasks))
+
+    assert asyncio.run(main()) == [200] * 8 + [429] * 42
+    assert app.in_flight == {}
+
+
+def test_cors_preflights_are_not_refused(app):
+    status, _, _ = call(app, "/v1/chat/completions", method="OPTIONS")
+    assert status == 200  # answered by the app (vLLM's CORS middleware), not a 401
+
+
+@pytest.mark.parametrize(
+    ("path", "doc", "expected"),
+    [
+        ("/v1/chat/completions", {"messages": [], "n": 3}, 3),
+        ("/v1/chat/completions", {"n": "three"}, 1),  # vLLM refuses it: no engine request
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, 4),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, 1),  # one prompt of token ids
+        ("/v1/completions", {"prompt": [[1, 2], [3]]}, 2),
+        ("/v1/chat/completions/batch", {"messages": [[{}], [{}], [{}]]}, 3),
+        ("/inference/v1/generate", {"sampling_params": {"n": 2}}, 2),
+        ("/v1/responses", {"input": "hi"}, None),  # sub-requests: counted at its end
+    ],
+)
+def test_engine_requests_are_counted_from_the_body(path, doc, expected):
+    assert engine_requests(path, doc) == expected
+
+
+def test_a_response_is_named_with_the_request_id(app, hs_ring, tiers):
+    """vLLM names /v1/responses engine requests from the body's request_id."""
+    body = json.dumps({"model": "m", "input": "hi", "request_id": "resp_mine"}).encode()
+    _, headers, _ = call(app, "/v1/responses", body=body, headers=[bearer(hs_ring, tiers), JSON])
+    doc = json.loads(app.app.calls[-1][1])
+    assert doc["request_id"] == f"resp_{headers[b'x-request-id'].decode()}"

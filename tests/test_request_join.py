@@ -9,9 +9,12 @@ import pytest
 from clocks import ManualClock
 
 from engine.events import RequestDone
-from exporters.join import FinishedRequest, RequestJoin
+from engine.tenancy import TenantContext
+from exporters.join import FinishedRequest, InFlight, RequestJoin
+from exporters.writer import to_record
 
 KVL = "kvl-" + "ab" * 16
+OTHER = "kvl-" + "cd" * 16
 
 
 @pytest.fixture
@@ -23,34 +26,84 @@ def join():
     return j, clock
 
 
-def _stats(request_id: str = f"chatcmpl-{KVL}"):
-    return SimpleNamespace(request_id=request_id, finish_reason=1)
+def _entry(engine_requests: int | None = 1, path: str = "/v1/chat/completions") -> InFlight:
+    return InFlight(TenantContext("acme", "premium"), path, 0, None, "m", engine_requests)
 
 
-def _done(status: str, request_id: str = KVL) -> RequestDone:
-    return RequestDone(0.0, request_id, None, None, None, status, 0, 0, 0.0)
+def _stats(request_id: str = f"chatcmpl-{KVL}", output: int = 5, reason: int = 1):
+    return SimpleNamespace(
+        request_id=request_id,
+        finish_reason=reason,
+        num_prompt_tokens=10,
+        num_cached_tokens=0,
+        num_generation_tokens=output,
+        num_preemptions=0,
+        e2e_latency=1.0,
+    )
+
+
+def _done(status: str, request_id: str = KVL, output: int = 5) -> RequestDone:
+    return RequestDone(0.0, request_id, None, None, None, status, 0, 0, 0.5, 10, output)
 
 
 def test_both_halves_deliver_at_once_in_either_order(join):
     j, _ = join
-    j.request_stats(_stats(), "entry")
+    entry = _entry()
+    j.request_stats(_stats(), entry)
     j.engine_event(_done("finished_stopped"))
-    j.engine_event(_done("finished_length", "kvl-" + "cd" * 16))
-    j.request_stats(_stats("cmpl-kvl-" + "cd" * 16), None)
-    assert [(p.key, p.joined) for p in j.delivered] == [(KVL, True), ("kvl-" + "cd" * 16, True)]
-    assert j.delivered[0].entry == "entry"
+    j.engine_event(_done("finished_length", OTHER))
+    j.request_stats(_stats(f"cmpl-{OTHER}"), None)
+    assert [(p.key, p.joined) for p in j.delivered] == [(KVL, True), (OTHER, True)]
+    assert j.delivered[0].entry is entry and not j.delivered[0].partial
+
+
+def test_a_fan_out_is_one_record_with_its_children_summed(join):
+    """n=3: three engine requests under one kvl- id, each with both halves."""
+    j, _ = join
+    j.in_flight[KVL] = _entry(engine_requests=3)
+    for i, output in enumerate((100, 200, 300)):
+        j.request_stats(_stats(f"chatcmpl-{KVL}", output), None)  # vLLM: one external id
+        assert j.delivered == []
+        j.engine_event(_done("finished_length", f"{i}_chatcmpl-{KVL}-0a1b2c3d", output))
+    [p] = j.delivered
+    record = to_record(p)
+    assert (record.output_tokens, record.input_tokens, record.kv_block_seconds) == (600, 30, 1.5)
+    assert record.request_id == KVL and not record.partial
+
+
+def test_a_complete_response_leaves_nothing_behind_once_delivered(join):
+    j, _ = join
+    entry = _entry()
+    j.request_stats(_stats(), entry)
+    j.engine_event(_done("finished_stopped"))
+    j.request_ended(KVL, entry)  # the final byte, after the record was delivered
+    assert len(j.delivered) == 1 and j._pending == {}
+
+
+def test_an_unknown_fan_out_waits_for_the_responses_end(join):
+    """/v1/responses: sub-requests are counted when the response ends."""
+    j, _ = join
+    entry = _entry(engine_requests=None, path="/v1/responses")
+    j.in_flight[KVL] = entry
+    j.request_stats(_stats(f"resp_{KVL}_0"), entry)
+    j.engine_event(_done("finished_stopped", f"resp_{KVL}_0-0a1b2c3d"))
+    assert j.delivered == []
+    j.request_ended(KVL, entry)
+    [p] = j.delivered
+    assert p.output_tokens == 5 and not p.partial
 
 
 @pytest.mark.parametrize(
-    "status, wait",
+    "status, wait, partial",
     [
-        ("finished_aborted", 2.0),  # vLLM sends no stats for an abandoned request
-        ("finished_stopped", 30.0),  # its stats are late, not missing
+        ("finished_aborted", 2.0, False),  # vLLM sends no stats for an abandoned request
+        ("finished_stopped", 30.0, True),  # its stats are late, not missing
     ],
 )
-def test_an_engine_half_alone_is_delivered_after_its_wait(join, status, wait):
+def test_an_engine_half_alone_is_delivered_after_its_wait(join, status, wait, partial):
     j, clock = join
-    j.request_left(KVL, "entry")  # the response ended early
+    entry = _entry()
+    j.request_ended(KVL, entry, early=True)  # the response ended early
     j.engine_event(_done(status))
     clock.now += wait - 0.1
     j.sweep()
@@ -58,22 +111,23 @@ def test_an_engine_half_alone_is_delivered_after_its_wait(join, status, wait):
     clock.now += 0.2
     j.sweep()
     [p] = j.delivered
-    assert (p.stats, p.done.status, p.entry) == (None, status, "entry")
+    assert (p.stats, p.done[0].status, p.entry, p.partial) == ([], status, entry, partial)
     assert p.ended_at is not None
 
 
-def test_stats_without_an_engine_half_are_delivered_after_the_timeout(join):
+def test_stats_without_an_engine_half_are_delivered_flagged_after_the_timeout(join):
     j, clock = join
-    j.request_stats(_stats(), "entry")
+    entry = _entry()
+    j.request_stats(_stats(), entry)
     clock.now += 30
     j.sweep()
-    assert [(p.done, p.entry) for p in j.delivered] == [(None, "entry")]
+    assert [(p.done, p.entry, p.partial) for p in j.delivered] == [([], entry, True)]
 
 
 def test_an_entry_alone_is_dropped_after_the_timeout(join):
     """A response that ended early for a request the engine never saw has no record."""
     j, clock = join
-    j.request_left(KVL, "entry")
+    j.request_ended(KVL, _entry(), early=True)
     clock.now += 30
     j.sweep()
     j.flush()
@@ -83,18 +137,20 @@ def test_an_entry_alone_is_dropped_after_the_timeout(join):
 def test_flush_delivers_every_half_join(join):
     j, _ = join
     j.engine_event(_done("finished_stopped"))
-    j.request_left("kvl-" + "cd" * 16, "entry")
+    j.request_ended(OTHER, _entry(), early=True)
     j.flush()
-    assert [p.key for p in j.delivered] == [KVL]
+    assert [(p.key, p.partial) for p in j.delivered] == [(KVL, True)]
 
 
-def test_pending_joins_are_bounded(join):
+def test_a_full_join_delivers_the_oldest_as_a_partial_record_and_counts_it(join):
     j, _ = join
     j.max_pending = 3
     for i in range(10):
         j.request_stats(_stats(f"kvl-{i:032x}"), None)
+    assert [p.key for p in j.delivered] == [f"kvl-{i:032x}" for i in range(7)]
+    assert all(p.partial for p in j.delivered) and j.overflowed == 7
     j.flush()
-    assert [p.key for p in j.delivered] == [f"kvl-{i:032x}" for i in (7, 8, 9)]
+    assert len(j.delivered) == 10  # nothing dropped unseen
 
 
 def test_the_background_sweep_delivers_without_further_traffic():
