@@ -393,12 +393,12 @@ USAGE_COLUMNS = [
 def load_usage(url: str, start: float, end: float, granularity: str, tiers) -> list[dict]:
     """FOCUS rows for the window, exactly as the export computes them."""
     from exporters.billing import focus_rows
-    from exporters.ledger import UsageLedger
+    from exporters.ledger import UsageLedger, one_line
 
     try:
-        return list(focus_rows(UsageLedger(url).read(start, end), granularity, tiers))
+        return list(focus_rows(UsageLedger(url, create=False).read(start, end), granularity, tiers))
     except Exception as exc:  # SQLAlchemy's errors vary by driver; the banner needs one line
-        raise SourceError(f"The usage ledger is not readable ({_one_line(exc)}).") from None
+        raise SourceError(f"The usage ledger is not readable ({one_line(exc)}).") from None
 
 
 def focus_csv(rows: Iterable[dict[str, str]]) -> bytes:
@@ -434,7 +434,3 @@ def usage_by_tenant(rows: Iterable[dict[str, str]]) -> pd.DataFrame:
 def _empty_usage() -> dict[str, Any]:
     counts = {c: 0 for c in USAGE_COLUMNS if c not in ("tenant_id", "tier", "block_hours", "cost")}
     return {"tier": set(), "block_hours": Decimal(0), "cost": Decimal(0), **counts}
-
-
-def _one_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__

@@ -408,7 +408,7 @@ def _summary(
             tokens[tier][s.labels["kind"]] += int(s.value)
     records = []
     if demo.ledger.exists():
-        records = list(UsageLedger(f"sqlite:///{demo.ledger}").read(since, 4e9))
+        records = list(UsageLedger(f"sqlite:///{demo.ledger}", create=False).read(since, 4e9))
     cost: Counter = Counter()
     by_tier: Counter[str] = Counter()
     for r in records:

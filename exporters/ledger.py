@@ -26,7 +26,8 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from engine.paths import kvlease_home
 
@@ -98,22 +99,59 @@ def default_url() -> str:
     return os.environ.get(DB_ENV) or f"sqlite:///{kvlease_home() / 'usage.db'}"
 
 
+class LedgerError(ValueError):
+    """The ledger cannot be used; the message is one line, with any password hidden."""
+
+
+def redact(url: str) -> str:
+    """`url` with its password replaced by ***, for logs and error messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
 class UsageLedger:
     """A ledger database. Thread-safe (SQLAlchemy pools connections); writes are
-    batched by the caller (`exporters.writer`)."""
+    batched by the caller (`exporters.writer`).
 
-    def __init__(self, url: str | None = None) -> None:
-        self.url = url or default_url()
-        if self.url.startswith("sqlite:///"):
-            path = self.url.removeprefix("sqlite:///")
-            if path and path != ":memory:":
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        elif self.url.startswith("postgresql://"):
-            self.url = "postgresql+psycopg://" + self.url.removeprefix("postgresql://")
-        self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
+    `create=False` is for readers (exports, the dashboard): a ledger that does not exist
+    is a `LedgerError`, never an empty database made where a typo pointed. Every failure
+    to open (not a URL, an unknown scheme, an unreachable server, a file that is not a
+    database) is a `LedgerError` with one line to show."""
+
+    def __init__(self, url: str | None = None, create: bool = True) -> None:
+        given = url or default_url()
+        self.url = given
+        sqlite_path = given.removeprefix("sqlite:///") if given.startswith("sqlite:///") else None
+        if sqlite_path and sqlite_path != ":memory:":
+            if not create and not os.path.isfile(sqlite_path):
+                raise LedgerError(f"no usage ledger at {sqlite_path}")
+            os.makedirs(os.path.dirname(os.path.abspath(sqlite_path)), exist_ok=True)
+        for alias in ("postgresql://", "postgres://"):  # psycopg 3, under either spelling
+            if given.startswith(alias):
+                self.url = "postgresql+psycopg://" + given.removeprefix(alias)
+        try:
+            self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
+        except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+            raise LedgerError(
+                f"{redact(given)!r} is not a ledger URL (sqlite:///PATH or "
+                f"postgresql://USER:PASSWORD@HOST/DB): {one_line(exc)}"
+            ) from None
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
-        self.migrate()
+        try:
+            if not create:
+                self._require_ledger(given)
+            self.migrate()
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"usage ledger {redact(given)!r}: {one_line(exc)}") from None
+
+    def _require_ledger(self, given: str) -> None:
+        with self.engine.connect() as conn:
+            if not conn.dialect.has_table(conn, "kvlease_schema"):
+                raise LedgerError(f"{redact(given)!r} holds no kvlease usage ledger")
 
     def migrate(self) -> int:
         """Bring the schema to SCHEMA_VERSION; returns the version it found."""
@@ -162,6 +200,12 @@ class UsageLedger:
     def count(self) -> int:
         with self.engine.connect() as conn:
             return conn.execute(text("SELECT count(*) FROM usage_records")).scalar() or 0
+
+
+def one_line(exc: BaseException) -> str:
+    """A driver error's first line, without SQLAlchemy's background link."""
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -132,17 +132,26 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
     from exporters.billing import export_chunks, parse_window
-    from exporters.ledger import UsageLedger
+    from exporters.ledger import UsageLedger, one_line
 
     tiers = TierTable.load(args.tiers)
     start, end = parse_window(args.start, args.end)
-    records = UsageLedger(args.usage_db).read(start, end, args.tenant)
-    chunks = export_chunks(records, args.format, args.granularity, tiers)
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    ledger = UsageLedger(args.usage_db, create=False)  # a reader never makes a ledger
+    chunks = export_chunks(
+        ledger.read(start, end, args.tenant), args.format, args.granularity, tiers
+    )
+    try:
+        out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as exc:
+        raise ValueError(f"cannot write {args.output}: {exc.strerror}") from None
     try:
         for chunk in chunks:
             out.write(chunk)
+    except SQLAlchemyError as exc:
+        raise ValueError(f"reading the ledger failed: {one_line(exc)}") from None
     finally:
         if out is not sys.stdout:
             out.close()

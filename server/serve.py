@@ -141,11 +141,11 @@ def run_serve(argv: Sequence[str]) -> int:
 
     os.environ[DB_ENV] = args.usage_db or default_url()
     try:
-        from exporters.ledger import UsageLedger
+        from exporters.ledger import LedgerError, UsageLedger
 
         UsageLedger(os.environ[DB_ENV])  # reachable, and migrated, before the engine starts
-    except Exception as exc:
-        print(f"kvlease serve: error: usage ledger {os.environ[DB_ENV]!r}: {exc}", file=sys.stderr)
+    except LedgerError as exc:  # its message hides the password
+        print(f"kvlease serve: error: {exc}", file=sys.stderr)
         return 2
     try:
         ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app

@@ -63,3 +63,11 @@ def test_serve_refuses_a_pool_smaller_than_one_request(kvlease_home):
     )
     assert done.returncode == 2
     assert "--num-blocks 8 of 32 tokens holds at most 224 tokens" in done.stderr
+
+
+def test_an_unreachable_ledger_is_one_line_without_its_password():
+    done = _serve("--usage-db", "postgresql://kv:hunter2-secret@127.0.0.1:1/usage")
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("kvlease serve: error: usage ledger") and "hunter2" not in line
+    assert "***" in line
