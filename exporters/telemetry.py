@@ -72,8 +72,9 @@ class Telemetry:
             self._tracer_provider.shutdown()  # flush the span exporter
 
     def ledger(self) -> UsageLedger:
-        """The ledger this process writes, or the configured one (for reads)."""
-        return self.writer.ledger if self.writer is not None else UsageLedger()
+        """The ledger this process writes, or the configured one, for reads only: a
+        `LedgerError` if there is none (a reader never creates one)."""
+        return self.writer.ledger if self.writer is not None else UsageLedger(create=False)
 
     def _counts(self) -> ProcessCounts:
         writer, overflows = self.writer, self.join.overflowed

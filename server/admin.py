@@ -8,17 +8,24 @@ Routes trust only the identity TenantMiddleware verified and left in
 
 from __future__ import annotations
 
+import logging
 from argparse import Namespace
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.concurrency import run_in_threadpool
 
 from engine.auth import AuthError, require_role
 from engine.tenancy import TierTable
 from exporters.billing import export_chunks, focus_rows, parse_window
+from exporters.ledger import LedgerError, one_line
 from exporters.telemetry import TELEMETRY
 from server.middleware import STATE_KEY, error_payload
+
+logger = logging.getLogger("kvlease.admin")
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
@@ -67,7 +74,13 @@ def _window(request: Request) -> tuple[float, float, str]:
 
 
 async def usage_csv(request: Request) -> Any:
-    """The FOCUS CSV of `kvlease usage export` for a window, streamed (role: finance)."""
+    """The FOCUS CSV of `kvlease usage export` for a window, streamed (role: finance).
+
+    The ledger is read in a worker thread, never on the event loop. The first chunk
+    (the header and the first group, after the query has run) is read before the status
+    line, so a ledger that fails up front gets a 503 in OpenAI's shape; one that fails
+    mid-stream ends the body with an `# error:` line and a broken chunked transfer, so no
+    client mistakes a truncated file for a whole one."""
     if (refused := _authorize(request, "finance")) is not None:
         return refused
     try:
@@ -75,19 +88,42 @@ async def usage_csv(request: Request) -> Any:
     except ValueError as exc:
         return _error(400, str(exc), "invalid_window")
     tenants = request.query_params.getlist("tenant")
-    records = TELEMETRY.ledger().read(start, end, tenants)
     fmt = request.query_params.get("format", "focus")
-    chunks = export_chunks(records, fmt, granularity, TierTable.load())
+
+    def open_export() -> tuple[Iterator[str], str | None]:
+        records = TELEMETRY.ledger().read(start, end, tenants)
+        chunks = export_chunks(records, fmt, granularity, TierTable.load())
+        return chunks, next(chunks, None)
+
+    try:
+        chunks, first = await run_in_threadpool(open_export)
+    except (LedgerError, SQLAlchemyError) as exc:
+        logger.error("kvlease: /admin/usage.csv: the ledger failed: %s", one_line(exc))
+        return _error(503, f"the usage ledger is not readable: {one_line(exc)}", "ledger_error")
+    except ValueError as exc:  # an unknown format
+        return _error(400, str(exc), "invalid_format")
+
+    def body() -> Iterator[str]:
+        if first is not None:
+            yield first
+        try:
+            yield from chunks
+        except (LedgerError, SQLAlchemyError) as exc:
+            logger.error("kvlease: /admin/usage.csv stopped: %s", one_line(exc))
+            yield f"# error: the export stopped early: {one_line(exc)}\n"
+            raise
+
     name = f"kvlease-usage-{granularity}.csv"
     return StreamingResponse(  # a sync iterator: Starlette runs it in its thread pool
-        chunks,
+        body(),
         media_type="text/csv",
         headers={"Content-Disposition": f'attachment; filename="{name}"'},
     )
 
 
 async def usage_json(request: Request) -> Any:
-    """FOCUS rows as JSON: finance and admin see every tenant, a tenant only itself."""
+    """FOCUS rows as JSON: finance and admin see every tenant, a tenant only itself.
+    Read in a worker thread: a month of records never stalls the event loop."""
     ctx = getattr(request.state, STATE_KEY, None)
     if ctx is None:
         return _error(401, "usage routes need kvlease's TenantMiddleware", "missing_token")
@@ -98,8 +134,16 @@ async def usage_json(request: Request) -> Any:
     tenants = request.query_params.getlist("tenant")
     if not ({"finance", "admin"} & ctx.roles):
         tenants = [ctx.tenant_id]  # a tenant sees its own usage only
-    rows = focus_rows(TELEMETRY.ledger().read(start, end, tenants), granularity, TierTable.load())
-    return {"tenant_filter": tenants, "rows": list(rows)}
+
+    def rows() -> list[dict[str, str]]:
+        records = TELEMETRY.ledger().read(start, end, tenants)
+        return list(focus_rows(records, granularity, TierTable.load()))
+
+    try:
+        found = await run_in_threadpool(rows)
+    except (LedgerError, SQLAlchemyError) as exc:
+        return _error(503, f"the usage ledger is not readable: {one_line(exc)}", "ledger_error")
+    return {"tenant_filter": tenants, "rows": found}
 
 
 async def ready(request: Request) -> Any:
