@@ -8,11 +8,12 @@ token names a tier, the table says what that tier means.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
@@ -40,6 +41,18 @@ class Prices:
     cached_input_per_1k: Decimal
     output_per_1k: Decimal
     block_hour: Decimal
+
+    def basis(self, currency: str) -> str:
+        """These prices as the ledger stores them with each record: a later change of
+        the tier table never reprices history."""
+        doc = {f.name: str(getattr(self, f.name)) for f in fields(self)}
+        return json.dumps({"currency": currency, **doc}, sort_keys=True)
+
+    @classmethod
+    def from_basis(cls, basis: str) -> tuple[str, Prices]:
+        """(currency, prices) from `basis()`'s text."""
+        doc = json.loads(basis)
+        return doc.pop("currency"), cls(**{k: Decimal(v) for k, v in doc.items()})
 
 
 @dataclass(frozen=True)

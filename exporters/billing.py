@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import calendar
 import csv
+import functools
 import hashlib
 import io
 import json
@@ -22,7 +23,7 @@ from dataclasses import fields
 from datetime import UTC, datetime
 from decimal import Decimal
 
-from engine.tenancy import TierTable
+from engine.tenancy import Prices, TierTable
 from exporters.ledger import UsageRecord
 
 GRANULARITIES = ("hour", "day", "month")
@@ -88,10 +89,42 @@ def period(epoch: float, granularity: str) -> tuple[float, float]:
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
-def record_cost(record: UsageRecord, tiers: TierTable) -> Decimal:
+class UnpricedRecord(ValueError):
+    """A record the export cannot price: the message names it and says why."""
+
+
+@functools.lru_cache(maxsize=256)
+def _stored(basis: str) -> tuple[str, Prices]:
+    return Prices.from_basis(basis)
+
+
+def record_prices(record: UsageRecord, tiers: TierTable) -> Prices | None:
+    """The prices a record is billed at: those stored with it when it was written;
+    for records written before prices were stored, its tier's in `tiers`. None for
+    unclassified traffic (no tier: no price). Raises UnpricedRecord otherwise."""
+    if record.price_basis is not None:
+        currency, prices = _stored(record.price_basis)
+        if currency != tiers.currency:
+            raise UnpricedRecord(
+                f"record {record.request_id} was priced in {currency}; this export is in "
+                f"{tiers.currency} (the tier table's currency)"
+            )
+        return prices
+    if record.tier is None:
+        return None
     if record.tier not in tiers:
+        raise UnpricedRecord(
+            f"record {record.request_id} has no stored prices and its tier {record.tier!r} is "
+            f"not in the tier table ({tiers.source}): export with the table it was served with "
+            "(--tiers)"
+        )
+    return tiers[record.tier].prices
+
+
+def record_cost(record: UsageRecord, tiers: TierTable) -> Decimal:
+    p = record_prices(record, tiers)
+    if p is None:
         return Decimal(0)  # unclassified traffic has no price
-    p = tiers[record.tier].prices
     uncached = record.input_tokens - record.cached_input_tokens
     return (
         Decimal(uncached) / THOUSAND * p.input_per_1k

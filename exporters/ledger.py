@@ -21,6 +21,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
     create_engine,
     event,
     select,
@@ -53,6 +54,7 @@ class UsageRecord:
     kv_block_seconds: float
     outcome: str
     partial: bool = False  # delivered before every half arrived: figures may be low
+    price_basis: str | None = None  # the tier's prices when written (engine.tenancy.Prices)
 
 
 metadata = MetaData()
@@ -74,6 +76,7 @@ records = Table(
     Column("kv_block_seconds", Float, nullable=False),
     Column("outcome", String(16), nullable=False),
     Column("partial", Boolean, nullable=False, default=False),
+    Column("price_basis", Text),
 )
 # Version -> statements. Append, never edit: a database at version N runs N+1.. only.
 MIGRATIONS: dict[int, Sequence[str]] = {
@@ -90,6 +93,7 @@ MIGRATIONS: dict[int, Sequence[str]] = {
         "CREATE INDEX IF NOT EXISTS usage_records_end ON usage_records (ended_at)",
     ),
     2: ("ALTER TABLE usage_records ADD COLUMN partial BOOLEAN NOT NULL DEFAULT FALSE",),
+    3: ("ALTER TABLE usage_records ADD COLUMN price_basis TEXT",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 assert [c.name for c in records.columns] == [f.name for f in fields(UsageRecord)]

@@ -49,12 +49,11 @@ class Telemetry:
             if self.metrics is not None:
                 return self
             self.view.start()
-            self.metrics = TenantMetrics(
-                self.view, TierTable.load(), TenantLabels.from_env(), self._counts
-            )
+            tiers = TierTable.load()
+            self.metrics = TenantMetrics(self.view, tiers, TenantLabels.from_env(), self._counts)
             REGISTRY.register(self.metrics)
             if os.environ.get(DB_ENV):
-                self.writer = LedgerWriter(UsageLedger(os.environ[DB_ENV]))
+                self.writer = LedgerWriter(UsageLedger(os.environ[DB_ENV]), tiers)
                 self.join.consumers.append(self.writer)
             self._tracer_provider = tracing.install(self.join)
             if self.join.consumers:

@@ -26,6 +26,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 
 from engine.labels import UNCLASSIFIED
 from engine.paths import kvlease_home
+from engine.tenancy import TierTable
 from exporters.join import FinishedRequest
 from exporters.ledger import UsageLedger, UsageRecord
 
@@ -34,17 +35,20 @@ DEAD_LETTER_FILE = "ledger-dead-letters.jsonl"  # under KVLEASE_HOME
 logger = logging.getLogger("kvlease.ledger")
 
 
-def to_record(p: FinishedRequest) -> UsageRecord:
-    """One HTTP request's record: its engine requests summed (fan-out is one record)."""
+def to_record(p: FinishedRequest, tiers: TierTable | None = None) -> UsageRecord:
+    """One HTTP request's record: its engine requests summed (fan-out is one record),
+    with its tier's prices as they are now (`tiers`), so history is never repriced."""
     entry, done = p.entry, p.done[0] if p.done else None
     ctx = entry.ctx if entry is not None else None
     now = time.time()
     latency = p.e2e_latency
     started = entry.started_ns / 1e9 if entry is not None else now - (latency or 0.0)
+    tier = ctx.tier if ctx else done and done.tier
+    priced = tiers is not None and tier in tiers
     return UsageRecord(
         request_id=p.key,
         tenant_id=(ctx.tenant_id if ctx else done and done.tenant_id) or UNCLASSIFIED,
-        tier=ctx.tier if ctx else done and done.tier,
+        tier=tier,
         session_id=ctx.session_id if ctx else done and done.session_id,
         model=(entry.model if entry is not None else None) or "unknown",
         started_at=started,
@@ -57,6 +61,7 @@ def to_record(p: FinishedRequest) -> UsageRecord:
         kv_block_seconds=p.block_seconds,
         outcome=p.outcome,
         partial=p.partial,
+        price_basis=tiers[tier].prices.basis(tiers.currency) if priced else None,
     )
 
 
@@ -67,9 +72,14 @@ class LedgerWriter:
     to the dead-letter file, counted in `dead_letters`: it never blocks the others."""
 
     def __init__(
-        self, ledger: UsageLedger, batch: int = 512, dead_letter_path: Path | None = None
+        self,
+        ledger: UsageLedger,
+        tiers: TierTable | None = None,
+        batch: int = 512,
+        dead_letter_path: Path | None = None,
     ) -> None:
         self.ledger = ledger
+        self.tiers = tiers
         self.batch = batch
         self.dead_letter_path = dead_letter_path or kvlease_home() / DEAD_LETTER_FILE
         self.write_errors = 0
@@ -83,7 +93,7 @@ class LedgerWriter:
         self._thread.start()
 
     def __call__(self, finished: FinishedRequest) -> None:
-        self._queue.put(to_record(finished))
+        self._queue.put(to_record(finished, self.tiers))
 
     def expect(self, request_id: str) -> asyncio.Future:
         """A future resolved when `request_id`'s record commits (call on the event loop)."""

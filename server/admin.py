@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.auth import AuthError, require_role
 from engine.tenancy import TierTable
-from exporters.billing import export_chunks, focus_rows, parse_window
+from exporters.billing import UnpricedRecord, export_chunks, focus_rows, parse_window
 from exporters.ledger import LedgerError, one_line
 from exporters.telemetry import TELEMETRY
 from server.middleware import STATE_KEY, error_payload
@@ -100,6 +100,8 @@ async def usage_csv(request: Request) -> Any:
     except (LedgerError, SQLAlchemyError) as exc:
         logger.error("kvlease: /admin/usage.csv: the ledger failed: %s", one_line(exc))
         return _error(503, f"the usage ledger is not readable: {one_line(exc)}", "ledger_error")
+    except UnpricedRecord as exc:
+        return _error(503, str(exc), "unpriced_record")
     except ValueError as exc:  # an unknown format
         return _error(400, str(exc), "invalid_format")
 
@@ -108,7 +110,7 @@ async def usage_csv(request: Request) -> Any:
             yield first
         try:
             yield from chunks
-        except (LedgerError, SQLAlchemyError) as exc:
+        except (LedgerError, SQLAlchemyError, UnpricedRecord) as exc:
             logger.error("kvlease: /admin/usage.csv stopped: %s", one_line(exc))
             yield f"# error: the export stopped early: {one_line(exc)}\n"
             raise
@@ -143,6 +145,8 @@ async def usage_json(request: Request) -> Any:
         found = await run_in_threadpool(rows)
     except (LedgerError, SQLAlchemyError) as exc:
         return _error(503, f"the usage ledger is not readable: {one_line(exc)}", "ledger_error")
+    except UnpricedRecord as exc:
+        return _error(503, str(exc), "unpriced_record")
     return {"tenant_filter": tenants, "rows": found}
 
 

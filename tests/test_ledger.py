@@ -199,3 +199,64 @@ def test_a_record_the_database_refuses_is_set_aside_and_never_blocks_the_others(
     assert writer.dead_letters == len(lines) == len(batch) - 4
     assert lines[0]["record"]["request_id"] == bad.request_id and lines[0]["reason"]
     assert writer.write_errors == 0  # a data error is not a database outage
+
+
+def _table(input_price: str, currency: str = "USD", tier: str = "premium"):
+    from engine.tenancy import TierTable
+
+    return TierTable.from_toml(
+        f'currency = "{currency}"\n[tiers.{tier}]\npriority = 0\nlease_seconds = 60\n'
+        f'leased_cache_cap = 0.5\n[tiers.{tier}.prices]\ninput_per_1k = "{input_price}"\n'
+        'cached_input_per_1k = "0"\noutput_per_1k = "0"\nblock_hour = "0"\n'
+    )
+
+
+def test_a_record_keeps_the_prices_it_was_written_with(tmp_path):
+    """A later change of the tier table never reprices history."""
+    from exporters.writer import to_record
+
+    finished = _finished_premium_request()
+    then = _table("0.0030")
+    record = to_record(finished, then)
+    assert record.price_basis is not None
+    ledger = UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
+    ledger.write([record])
+    [stored] = ledger.read(0, 4e9)
+    now = _table("0.9000")  # a price rise after the fact
+    assert record_cost(stored, now) == record_cost(stored, then) == Decimal("0.003")
+
+
+def test_an_export_that_cannot_price_a_record_says_so_and_exits_2(tmp_path, capsys):
+    ledger = UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
+    ledger.write([rec(1, tier="gold")])  # no stored prices; the tier was renamed since
+    code = main(["usage", "export", "--usage-db", ledger.url, "--from", "2026-11-01"])
+    assert code == 2
+    assert "tier 'gold' is not in the tier table" in capsys.readouterr().err
+
+
+def test_a_record_priced_in_another_currency_is_refused():
+    from exporters.billing import UnpricedRecord
+    from exporters.writer import to_record
+
+    euro = to_record(_finished_premium_request(), _table("1", currency="EUR"))
+    with pytest.raises(UnpricedRecord, match="EUR"):
+        record_cost(euro, _table("1"))
+
+
+def _finished_premium_request():
+    from types import SimpleNamespace
+
+    from engine.tenancy import TenantContext
+    from exporters.join import FinishedRequest, InFlight
+
+    stats = SimpleNamespace(
+        request_id="kvl-" + "a" * 32,
+        finish_reason=1,
+        num_prompt_tokens=1000,
+        num_cached_tokens=0,
+        num_generation_tokens=0,
+        num_preemptions=0,
+        e2e_latency=1.0,
+    )
+    entry = InFlight(TenantContext("acme", "premium"), "/v1/completions", int(NOV * 1e9))
+    return FinishedRequest("kvl-" + "a" * 32, 0.0, entry, [stats])

@@ -81,7 +81,11 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
         ],
         kvlease_home,
         tmp_path_factory.mktemp("telemetry") / "server.log",
-        {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "200"},
+        {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.url,
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "KVLEASE_LEDGER_WAIT_SECONDS": "120",  # a record that never comes shows as a hang
+        },
     )
 
     def one(i: int) -> int:
@@ -327,3 +331,83 @@ def test_usage_routes_respect_roles_and_tenants(loaded, usage_db, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert out.read_text() == download
+
+
+def _output_counter(server, tenant: str) -> float:
+    families, _ = _families(server)
+    return _sum(
+        families,
+        "vllm_tenant_tokens",
+        tenant_id=tenant,
+        kind="output",
+        sample="vllm_tenant_tokens_total",
+    )
+
+
+def _record(usage_db: str, tenant: str):
+    [record] = [r for r in _ledger_records(usage_db) if r.tenant_id == tenant]
+    return record
+
+
+def _openai(server, tenant: str):
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=server.token(tenant, "standard"), timeout=60
+    )
+
+
+def test_n_choices_are_billed_as_the_client_was_told(loaded, usage_db):
+    reply = _openai(loaded, "fan-n").chat.completions.create(
+        model="kvlease-demo",
+        messages=[{"role": "user", "content": "three answers, please"}],
+        n=3,
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(reply.choices) == 3 and reply.usage.completion_tokens == 36
+    record = _record(usage_db, "fan-n")
+    assert record.output_tokens == 36 == _output_counter(loaded, "fan-n")
+    assert record.request_id in reply.id and not record.partial
+
+
+def test_a_list_of_prompts_is_billed_whole(loaded, usage_db):
+    reply = _openai(loaded, "fan-list").completions.create(
+        model="kvlease-demo",
+        prompt=["first prompt", "second prompt", "third prompt"],
+        n=2,
+        max_tokens=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(reply.choices) == 6 and reply.usage.completion_tokens == 30
+    assert _record(usage_db, "fan-list").output_tokens == 30 == _output_counter(loaded, "fan-list")
+
+
+def test_a_batch_of_conversations_is_billed_whole(loaded, usage_db):
+    r = httpx.post(
+        f"{loaded.url}/v1/chat/completions/batch",
+        timeout=60,
+        headers=loaded.headers("fan-batch", "standard"),
+        json={
+            "model": "kvlease-demo",
+            "messages": [[{"role": "user", "content": f"conversation {i}"}] for i in range(4)],
+            "max_tokens": 7,
+            "ignore_eos": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 28
+    assert (
+        _record(usage_db, "fan-batch").output_tokens == 28 == _output_counter(loaded, "fan-batch")
+    )
+
+
+def test_a_response_is_billed_once_and_not_held_past_its_commit(loaded, usage_db):
+    """The server holds a last byte up to 120 s for its record (KVLEASE_LEDGER_WAIT_SECONDS):
+    a response whose record never came would outlast the client's 60 s timeout."""
+    response = _openai(loaded, "resp-t").responses.create(
+        model="kvlease-demo", input="Say something.", max_output_tokens=16
+    )
+    record = _record(usage_db, "resp-t")
+    assert record.output_tokens == response.usage.output_tokens == _output_counter(loaded, "resp-t")
+    assert record.output_tokens > 0 and not record.partial
