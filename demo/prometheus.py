@@ -13,8 +13,15 @@ from pathlib import Path
 ALERT_RULES = Path(__file__).resolve().parent.parent / "grafana" / "alerts.yml"
 
 
-def config_text(targets: list[str], interval: str = "15s", rules: Path | None = ALERT_RULES) -> str:
-    """prometheus.yml (YAML is a superset of JSON: lists and strings are JSON-quoted)."""
+def config_text(
+    targets: list[str],
+    interval: str = "15s",
+    rules: Path | None = ALERT_RULES,
+    bearer_file: Path | None = None,
+) -> str:
+    """prometheus.yml (YAML is a superset of JSON: lists and strings are JSON-quoted).
+    `bearer_file` holds a token with the `metrics` role, for servers run with
+    `--metrics-auth` (Prometheus sends it as `Authorization: Bearer`)."""
     lines = [f"global: {{scrape_interval: {interval}, evaluation_interval: {interval}}}"]
     if rules is not None:
         lines.append(f"rule_files: [{json.dumps(str(rules))}]")
@@ -23,6 +30,10 @@ def config_text(targets: list[str], interval: str = "15s", rules: Path | None = 
         "  - job_name: kvlease",
         f"    static_configs: [{{targets: {json.dumps(targets)}}}]",
     ]
+    if bearer_file is not None:
+        lines.append(
+            f"    authorization: {{type: Bearer, credentials_file: {json.dumps(str(bearer_file))}}}"
+        )
     return "\n".join(lines) + "\n"
 
 

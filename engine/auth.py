@@ -35,7 +35,7 @@ MAX_LIFETIME_ENV = "KVLEASE_JWT_MAX_LIFETIME"
 
 MAX_TOKEN_BYTES = 8192
 MIN_HMAC_SECRET_BYTES = 32  # RFC 7518 3.2: an HS256 key is at least the hash size
-ROLES = frozenset({"admin", "finance"})
+ROLES = frozenset({"admin", "finance", "metrics"})  # metrics: scrape /metrics
 ALGORITHMS = frozenset({"HS256", "RS256", "ES256"})
 ANONYMOUS_TENANT = "anonymous"
 # Label and identity values of kvlease's own: a tenant by that name would merge with them.

@@ -39,6 +39,7 @@ from engine.auth import (
     KeyConfigError,
     KeyRing,
 )
+from engine.labels import hash_key_from_env
 from engine.tenancy import TenantContext, TierTable
 from exporters.join import InFlight, new_request_id
 from exporters.telemetry import TELEMETRY
@@ -52,6 +53,8 @@ Send = Callable[[Message], Awaitable[None]]
 logger = logging.getLogger("kvlease.server")
 SALT_KEY_ENV = "KVLEASE_CACHE_SALT_KEY"
 MAX_BODY_ENV = "KVLEASE_MAX_BODY_BYTES"
+METRICS_AUTH_ENV = "KVLEASE_METRICS_AUTH"
+METRICS_ROLES = frozenset({"metrics", "admin"})
 PUBLIC_PREFIXES = ("/metrics/",)  # vLLM mounts its Prometheus app at /metrics
 PUBLIC_PATHS = frozenset(
     {
@@ -111,6 +114,7 @@ class ServerConfig:
     tiers: TierTable
     salt_key: bytes
     max_body_bytes: int = 16 * 1024 * 1024
+    metrics_auth: bool = False  # /metrics needs a token with the metrics (or admin) role
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -132,7 +136,12 @@ class ServerConfig:
             max_body = int(os.environ.get(MAX_BODY_ENV, 16 * 1024 * 1024))
         except ValueError:
             raise ConfigError(f"{MAX_BODY_ENV} must be a number of bytes") from None
-        return cls(auth, tiers, salt_key, max_body)
+        try:
+            hash_key_from_env()  # labels are made in two processes: fail here, not there
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        metrics_auth = os.environ.get(METRICS_AUTH_ENV, "").lower() in ("1", "true", "yes", "on")
+        return cls(auth, tiers, salt_key, max_body, metrics_auth)
 
     def cache_salt(self, tenant_id: str) -> str:
         return hmac.new(self.salt_key, tenant_id.encode(), hashlib.sha256).hexdigest()
@@ -162,6 +171,10 @@ async def send_error(send: Send, status: int, message: str, code: str, headers=(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+def _is_metrics(path: str) -> bool:
+    return path == "/metrics" or path.startswith("/metrics/")
 
 
 def route_class(path: str) -> str:
@@ -218,6 +231,8 @@ class TenantMiddleware:
         klass = "public"  # lifespan, and CORS preflights (they carry no credentials)
         if scope["type"] == "http" and scope["method"] != "OPTIONS":
             klass = route_class(scope["path"])
+            if self.config.metrics_auth and _is_metrics(scope["path"]):
+                klass = "metrics"
         if klass == "public":
             await self.app(scope, receive, send)
             return
@@ -244,6 +259,9 @@ class TenantMiddleware:
             and "admin" not in ctx.roles
         ):
             await self._refuse(send, 403, "this route needs the 'admin' role", "role_not_allowed")
+            return None
+        if klass == "metrics" and not (METRICS_ROLES & ctx.roles):
+            await self._refuse(send, 403, "/metrics needs the 'metrics' role", "role_not_allowed")
             return None
         return ctx
 

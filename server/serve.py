@@ -36,6 +36,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from engine.auth import KEYS_ENV
+from engine.labels import HASH_ENV as HASH_LABELS_ENV
 from engine.labels import MAX_ENV as MAX_LABELS_ENV
 from engine.runtime import (
     DependencyError,
@@ -46,7 +47,7 @@ from engine.runtime import (
 )
 from engine.tenancy import TIERS_ENV, TierConfigError
 from exporters.tracing import ENABLE_ENV as OTEL_ENV
-from server.middleware import ConfigError, ServerConfig, error_body
+from server.middleware import METRICS_AUTH_ENV, ConfigError, ServerConfig, error_body
 
 SCHEDULER = "engine.vllm_scheduler.TenantAwareScheduler"
 MIDDLEWARE = "server.middleware.TenantMiddleware"
@@ -63,6 +64,8 @@ def _kvlease_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--max-tenant-labels", type=int, default=None)
     parser.add_argument("--otel", action="store_true")
+    parser.add_argument("--metrics-auth", action="store_true")
+    parser.add_argument("--hash-tenant-labels", action="store_true")
     parser.add_argument("--usage-db", default=None)
     parser.add_argument("-h", "--help", action="store_true")
     return parser.parse_known_args(list(argv))
@@ -121,7 +124,7 @@ def run_serve(argv: Sequence[str]) -> int:
         print(__doc__)
         print(
             "kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N  "
-            "--max-tenant-labels N  --otel  --usage-db URL"
+            "--max-tenant-labels N  --otel  --usage-db URL  --metrics-auth  --hash-tenant-labels"
         )
         print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
         return 0
@@ -137,6 +140,10 @@ def run_serve(argv: Sequence[str]) -> int:
         os.environ[MAX_LABELS_ENV] = str(args.max_tenant_labels)
     if args.otel:
         os.environ[OTEL_ENV] = "1"
+    if args.metrics_auth:
+        os.environ[METRICS_AUTH_ENV] = "1"
+    if args.hash_tenant_labels:
+        os.environ[HASH_LABELS_ENV] = "1"
     from exporters.ledger import DB_ENV, default_url
 
     os.environ[DB_ENV] = args.usage_db or default_url()

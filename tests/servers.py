@@ -128,14 +128,24 @@ def kvlease_serve(home: Path, log: Path, *args: str) -> Server:
 
 
 @contextlib.contextmanager
-def prometheus(targets: list[str], folder: Path, interval: str = "1s", rules: Path | None = None):
-    """A real Prometheus (Debian's) scraping `targets` (host:port), evaluating `rules`;
-    yields its base URL once it is ready. Stopped on exit."""
+def prometheus(
+    targets: list[str],
+    folder: Path,
+    interval: str = "1s",
+    rules: Path | None = None,
+    bearer: str | None = None,
+):
+    """A real Prometheus (Debian's) scraping `targets` (host:port), evaluating `rules`,
+    sending `bearer` as its scrape token; yields its base URL once it is ready."""
     import shutil
 
     port = free_port()
     config = folder / "prometheus.yml"
-    config.write_text(config_text(targets, interval, rules))
+    bearer_file = None
+    if bearer is not None:
+        bearer_file = folder / "scrape-token"
+        bearer_file.write_text(bearer)
+    config.write_text(config_text(targets, interval, rules, bearer_file))
     proc = subprocess.Popen(
         [
             shutil.which("prometheus") or "prometheus",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -179,3 +180,27 @@ def test_a_flood_of_100000_tenants_keeps_metrics_under_a_fixed_size(tiers):
         if s.labels["tenant_id"] == OTHER and s.name.endswith("_total")
     ]
     assert other == [100_000 - 500]
+
+
+def test_hashed_tenant_labels_are_stable_and_never_name_the_tenant():
+    from engine.labels import hashed_label
+
+    key = b"k" * 32
+    labels = TenantLabels(max_labels=2, hash_key=key)
+    first = labels("acme-corp")
+    assert first == labels("acme-corp") == hashed_label(key, "acme-corp")
+    assert first.startswith("t_") and "acme" not in first
+    assert TenantLabels(hash_key=b"x" * 32)("acme-corp") != first  # keyed, not a plain hash
+    labels("b"), labels("c")
+    assert labels("d") == OTHER and labels(None) == UNCLASSIFIED
+
+
+def test_hashing_without_a_long_enough_key_is_a_clear_error(monkeypatch):
+    from engine.labels import HASH_ENV, HASH_KEY_ENV, hash_key_from_env
+
+    monkeypatch.setenv(HASH_ENV, "1")
+    monkeypatch.setenv(HASH_KEY_ENV, "short")
+    with pytest.raises(ValueError, match=HASH_KEY_ENV):
+        hash_key_from_env()
+    monkeypatch.setenv(HASH_KEY_ENV, "k" * 32)
+    assert TenantLabels.from_env().hash_key == b"k" * 32

@@ -345,3 +345,19 @@ def test_a_response_is_named_with_the_request_id(app, hs_ring, tiers):
     _, headers, _ = call(app, "/v1/responses", body=body, headers=[bearer(hs_ring, tiers), JSON])
     doc = json.loads(app.app.calls[-1][1])
     assert doc["request_id"] == f"resp_{headers[b'x-request-id'].decode()}"
+
+
+@pytest.mark.parametrize(
+    ("roles", "status"), [(None, 401), ((), 403), (("metrics",), 200), (("admin",), 200)]
+)
+def test_metrics_auth_asks_for_the_metrics_role(config, hs_ring, tiers, roles, status):
+    import dataclasses
+
+    app = TenantMiddleware(Recorder(), dataclasses.replace(config, metrics_auth=True))
+    headers = [] if roles is None else [bearer(hs_ring, tiers, roles=roles)]
+    for path in ("/metrics", "/metrics/"):
+        assert call(app, path, method="GET", headers=headers)[0] == status
+
+
+def test_metrics_stay_public_without_metrics_auth(app):
+    assert call(app, "/metrics", method="GET")[0] == 200
