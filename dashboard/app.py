@@ -46,7 +46,13 @@ def live_page() -> None:
             url, token = CONFIG.prometheus, None
         else:
             url = CONFIG.engine or DEFAULT_ENGINE
-            token = st.text_input("Admin token (JWT)", value=CONFIG.token or "", type="password")
+            # The server's token stays on the server: the field starts empty and only
+            # overrides it; nothing the browser receives holds it.
+            hint = "set on the server" if CONFIG.token else "an admin JWT"
+            typed = st.text_input(
+                "Admin token (JWT)", type="password", placeholder=hint, key="token"
+            )
+            token = typed or CONFIG.token
         minutes = st.slider("Window (minutes)", 1, 10, 5, key="minutes")
         top = st.number_input("Top tenants", 1, 500, 10, key="top")
         search = st.text_input("Search tenants", key="live_search")
@@ -147,6 +153,23 @@ def _next_month(first: date) -> date:
     return (first + timedelta(days=32)).replace(day=1)
 
 
+def login() -> bool:
+    """True once this browser session has given the dashboard's password."""
+    if CONFIG.password is None or st.session_state.get("signed_in"):
+        return True
+    st.header("kvlease")
+    with st.form("login"):
+        attempt = st.text_input("Password", type="password", key="password")
+        if st.form_submit_button("Sign in"):
+            if CONFIG.password_matches(attempt):
+                st.session_state["signed_in"] = True
+                st.rerun()
+            st.error("Wrong password.")
+    return False
+
+
+if not login():
+    st.stop()
 with st.sidebar:
     st.title("kvlease")
     wanted = st.query_params.get("page", "live")

@@ -14,6 +14,7 @@ with a sentence for the banner, never a traceback.
 
 from __future__ import annotations
 
+import hmac
 import os
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ ENGINE_ENV = "KVLEASE_DASHBOARD_ENGINE"
 PROMETHEUS_ENV = "KVLEASE_DASHBOARD_PROMETHEUS"
 TOKEN_ENV = "KVLEASE_DASHBOARD_TOKEN"
 REFRESH_ENV = "KVLEASE_DASHBOARD_REFRESH_SECONDS"
+PASSWORD_ENV = "KVLEASE_DASHBOARD_PASSWORD"
 
 OCCUPANCY_COLUMNS = ["t", "tenant_id", "state", "blocks"]
 TENANT_COLUMNS = [
@@ -64,8 +66,9 @@ class Config:
     engine: str | None
     prometheus: str | None
     usage_db: str | None
-    token: str | None
+    token: str | None  # stays in this process: never sent to a browser
     refresh_seconds: float = 2.0
+    password: str | None = None  # the login every browser session must pass
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Config:
@@ -76,7 +79,13 @@ class Config:
             usage_db=env.get(DB_ENV) or None,
             token=env.get(TOKEN_ENV) or None,
             refresh_seconds=max(2.0, float(env.get(REFRESH_ENV) or 2.0)),
+            password=env.get(PASSWORD_ENV) or None,
         )
+
+    def password_matches(self, attempt: str) -> bool:
+        """Constant-time: the login gives away nothing by how long it takes."""
+        expected = (self.password or "").encode()
+        return bool(expected) and hmac.compare_digest(expected, attempt.encode())
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dashboard import data
 from engine.runtime import check_dependencies
 
 APP = Path(__file__).with_name("app.py")
+LOCAL_ADDRESSES = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def command(port: int, address: str = "127.0.0.1") -> list[str]:
@@ -60,6 +61,11 @@ def run_dashboard(args) -> int:
     check_dependencies()
     if args.refresh < 2:
         raise ValueError("--refresh must be at least 2 seconds")
+    if args.address not in LOCAL_ADDRESSES and not os.environ.get(data.PASSWORD_ENV):
+        raise ValueError(
+            f"--address {args.address} serves the dashboard beyond this machine: set "
+            f"{data.PASSWORD_ENV} so every browser must sign in"
+        )
     env = environment(args.engine, args.prometheus, args.usage_db, args.token or None, args.refresh)
     if not (env[data.ENGINE_ENV] or env[data.PROMETHEUS_ENV]):
         env[data.ENGINE_ENV] = "http://127.0.0.1:8000"

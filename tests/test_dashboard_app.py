@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 from dashboard import data
 from dashboard.launch import APP
 
-ENVS = (data.ENGINE_ENV, data.PROMETHEUS_ENV, data.TOKEN_ENV, "KVLEASE_USAGE_DB")
+ENVS = (data.ENGINE_ENV, data.PROMETHEUS_ENV, data.TOKEN_ENV, data.PASSWORD_ENV, "KVLEASE_USAGE_DB")
 
 
 @pytest.fixture
@@ -91,3 +91,31 @@ def test_dashboard_refuses_a_refresh_faster_than_two_seconds(capsys):
 
     assert main(["dashboard", "--refresh", "1"]) == 2
     assert "at least 2 seconds" in capsys.readouterr().err
+
+
+def test_the_servers_token_never_reaches_the_browser(page):
+    """The field starts empty (masking is display only: a default value is sent), and the
+    server's token is still used: the engine is called, and found down."""
+    app = page(**{data.ENGINE_ENV: _dead_url(), data.TOKEN_ENV: "secret.admin.jwt"})
+    field = app.text_input(key="token")
+    assert field.value == "" and "secret" not in str(field.proto)
+    assert "is not reachable" in app.error[0].value
+
+
+def test_a_password_keeps_every_page_behind_a_login(page):
+    app = page(**{data.PROMETHEUS_ENV: _dead_url(), data.PASSWORD_ENV: "open-sesame-42"})
+    assert not app.exception and not app.sidebar.radio  # nothing but the login
+    app.text_input(key="password").input("wrong")
+    app.button[0].click().run()
+    assert app.error[0].value == "Wrong password." and not app.sidebar.radio
+    app.text_input(key="password").input("open-sesame-42")
+    app.button[0].click().run()
+    assert app.sidebar.radio(key="source").value == "prometheus"
+
+
+def test_serving_beyond_localhost_needs_a_password(monkeypatch, capsys):
+    from server.cli import main
+
+    monkeypatch.delenv(data.PASSWORD_ENV, raising=False)
+    assert main(["dashboard", "--address", "0.0.0.0"]) == 2
+    assert data.PASSWORD_ENV in capsys.readouterr().err
