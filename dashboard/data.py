@@ -405,7 +405,8 @@ def load_usage(url: str, start: float, end: float, granularity: str, tiers) -> l
     from exporters.ledger import UsageLedger, one_line
 
     try:
-        return list(focus_rows(UsageLedger(url, create=False).read(start, end), granularity, tiers))
+        records = UsageLedger(url, create=False).read(start, end)
+        return list(focus_rows(records, granularity, tiers, (start, end)))
     except Exception as exc:  # SQLAlchemy's errors vary by driver; the banner needs one line
         raise SourceError(f"The usage ledger is not readable ({one_line(exc)}).") from None
 

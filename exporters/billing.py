@@ -27,7 +27,10 @@ from engine.tenancy import Prices, TierTable
 from exporters.ledger import UsageRecord
 
 GRANULARITIES = ("hour", "day", "month")
-FOCUS_COLUMNS = (
+ACCOUNT_ID_ENV = "KVLEASE_BILLING_ACCOUNT_ID"
+ACCOUNT_NAME_ENV = "KVLEASE_BILLING_ACCOUNT_NAME"
+PROVIDER_ENV = "KVLEASE_PROVIDER_NAME"
+FOCUS_COLUMNS = (  # FOCUS 1.2 columns that apply to an inference provider, then ours
     "BilledCost",
     "BillingAccountId",
     "BillingAccountName",
@@ -37,21 +40,38 @@ FOCUS_COLUMNS = (
     "ChargeCategory",
     "ChargeClass",
     "ChargeDescription",
+    "ChargeFrequency",
     "ChargePeriodEnd",
     "ChargePeriodStart",
+    "CommitmentDiscountCategory",
+    "CommitmentDiscountId",
+    "CommitmentDiscountName",
+    "CommitmentDiscountStatus",
+    "CommitmentDiscountType",
     "ConsumedQuantity",
     "ConsumedUnit",
     "ContractedCost",
+    "ContractedUnitPrice",
     "EffectiveCost",
     "InvoiceIssuerName",
     "ListCost",
+    "ListUnitPrice",
+    "PricingCategory",
     "PricingQuantity",
     "PricingUnit",
     "ProviderName",
     "PublisherName",
+    "RegionId",
+    "RegionName",
+    "ResourceId",
+    "ResourceName",
+    "ResourceType",
     "ServiceCategory",
     "ServiceName",
+    "SkuId",
+    "SkuPriceId",
     "SubAccountId",
+    "SubAccountName",
     "Tags",
     "x_RowKey",
     "x_Tier",
@@ -65,6 +85,7 @@ FOCUS_COLUMNS = (
     "x_Preemptions",
 )
 RAW_COLUMNS = tuple(f.name for f in fields(UsageRecord))
+FORMULA_STARTS = frozenset("=+-@\t\r")
 THOUSAND = Decimal(1000)
 
 
@@ -121,43 +142,68 @@ def record_prices(record: UsageRecord, tiers: TierTable) -> Prices | None:
     return tiers[record.tier].prices
 
 
-def record_cost(record: UsageRecord, tiers: TierTable) -> Decimal:
-    p = record_prices(record, tiers)
-    if p is None:
-        return Decimal(0)  # unclassified traffic has no price
-    uncached = record.input_tokens - record.cached_input_tokens
-    return (
-        Decimal(uncached) / THOUSAND * p.input_per_1k
-        + Decimal(record.cached_input_tokens) / THOUSAND * p.cached_input_per_1k
-        + Decimal(record.output_tokens) / THOUSAND * p.output_per_1k
-        + Decimal(repr(record.kv_block_seconds)) / Decimal(3600) * p.block_hour
+# The charges of one request, as FOCUS SKUs: (SkuId, PricingUnit, ConsumedUnit,
+# description). Each is priced per PricingUnit by one of the tier's four prices.
+SKUS = (
+    ("input-tokens", "1K Tokens", "Tokens", "input tokens (not served from the prefix cache)"),
+    ("cached-input-tokens", "1K Tokens", "Tokens", "input tokens served from the prefix cache"),
+    ("output-tokens", "1K Tokens", "Tokens", "output tokens"),
+    ("kv-block-hours", "Hours", "Block-Hours", "KV-cache block-hours held"),
+)
+ZERO = Decimal(0)
+
+
+def _charges(r: UsageRecord, p: Prices | None) -> tuple[tuple[Decimal, Decimal, Decimal], ...]:
+    """Per SKU of `SKUS`: (consumed quantity, pricing quantity, unit price)."""
+    uncached = Decimal(r.input_tokens - r.cached_input_tokens)
+    cached, output = Decimal(r.cached_input_tokens), Decimal(r.output_tokens)
+    hours = Decimal(repr(r.kv_block_seconds)) / Decimal(3600)
+    prices = (
+        (p.input_per_1k, p.cached_input_per_1k, p.output_per_1k, p.block_hour)
+        if p is not None
+        else (ZERO,) * 4  # unclassified traffic has no price
     )
+    return (
+        (uncached, uncached / THOUSAND, prices[0]),
+        (cached, cached / THOUSAND, prices[1]),
+        (output, output / THOUSAND, prices[2]),
+        (hours, hours, prices[3]),
+    )
+
+
+def record_cost(record: UsageRecord, tiers: TierTable) -> Decimal:
+    charges = _charges(record, record_prices(record, tiers))
+    return sum((quantity * price for _, quantity, price in charges), ZERO)
 
 
 class _Group:
+    """The records of one (tenant, model, charge period, tier, prices): four charge rows."""
+
     __slots__ = (
         "block_seconds",
         "cached",
-        "cost",
-        "first",
+        "consumed",
         "input",
         "output",
         "preemptions",
+        "prices",
+        "pricing",
         "recomputed",
         "requests",
-        "tiers",
     )
 
-    def __init__(self, first: UsageRecord) -> None:
-        self.first = first
-        self.cost = Decimal(0)
+    def __init__(self, prices: tuple[Decimal, ...]) -> None:
+        self.prices = prices
+        self.consumed = [ZERO] * len(SKUS)
+        self.pricing = [ZERO] * len(SKUS)
         self.input = self.cached = self.output = self.recomputed = 0
         self.preemptions = self.requests = 0
-        self.block_seconds = Decimal(0)
-        self.tiers: set[str] = set()
+        self.block_seconds = ZERO
 
-    def add(self, r: UsageRecord, tiers: TierTable) -> None:
-        self.cost += record_cost(r, tiers)
+    def add(self, r: UsageRecord, charges) -> None:
+        for i, (consumed, pricing, _) in enumerate(charges):
+            self.consumed[i] += consumed
+            self.pricing[i] += pricing
         self.input += r.input_tokens
         self.cached += r.cached_input_tokens
         self.output += r.output_tokens
@@ -165,83 +211,129 @@ class _Group:
         self.block_seconds += Decimal(repr(r.kv_block_seconds))
         self.preemptions += r.preemptions
         self.requests += 1
-        self.tiers.add(r.tier or "unclassified")
 
 
 def focus_rows(
-    records: Iterable[UsageRecord], granularity: str, tiers: TierTable
+    records: Iterable[UsageRecord],
+    granularity: str,
+    tiers: TierTable,
+    window: tuple[float, float] | None = None,
 ) -> Iterator[dict[str, str]]:
-    """FOCUS rows; `records` must come sorted by (tenant, model, ended_at)."""
-    account_id = os.environ.get("KVLEASE_BILLING_ACCOUNT_ID", "kvlease")
-    account_name = os.environ.get("KVLEASE_BILLING_ACCOUNT_NAME", account_id)
-    provider = os.environ.get("KVLEASE_PROVIDER_NAME", "kvlease")
-    key, group = None, None
+    """FOCUS charge rows: per (tenant, model, charge period) and per SKU (input, cached
+    input, output tokens, KV block-hours), at each unit price in force when the records
+    were written. Charge periods are clipped to `window` ([from, to) of the export), so
+    two partial exports of one month neither overlap nor share a row key.
+
+    `records` must come sorted by (tenant, model, ended_at). Memory: the groups of one
+    (tenant, model, period) at a time."""
+    context = _Context(granularity, tiers, window)
+    key, groups = None, {}
     for record in records:
-        if (
-            key is not None
-            and record.tenant_id == key[0]
-            and record.model == key[1]
-            and key[2][0] <= record.ended_at < key[2][1]
-        ):
-            group.add(record, tiers)  # same group: no need to work out the period again
-            continue
+        prices = record_prices(record, tiers)
         this = (record.tenant_id, record.model, period(record.ended_at, granularity))
         if this != key:
-            if group is not None:
-                yield _focus_row(group, key, granularity, tiers, account_id, account_name, provider)
-            key, group = this, _Group(record)
-        group.add(record, tiers)
-    if group is not None:
-        yield _focus_row(group, key, granularity, tiers, account_id, account_name, provider)
+            yield from context.rows(key, groups)
+            key, groups = this, {}
+        charges = _charges(record, prices)
+        basis = (record.tier or "unclassified", tuple(price for _, _, price in charges))
+        group = groups.get(basis)
+        if group is None:
+            group = groups[basis] = _Group(basis[1])
+        group.add(record, charges)
+    yield from context.rows(key, groups)
 
 
-def _focus_row(g: _Group, key, granularity, tiers, account_id, account_name, provider):
-    tenant, model, (start, end) = key
-    billing = period(start, "month")
-    consumed = g.input + g.output
-    cost = str(g.cost.normalize()) if g.cost else "0"
-    block_hours = g.block_seconds / Decimal(3600)
-    tier = ",".join(sorted(g.tiers))
-    return {
-        "BilledCost": cost,
-        "BillingAccountId": account_id,
-        "BillingAccountName": account_name,
-        "BillingCurrency": tiers.currency,
-        "BillingPeriodEnd": stamp(billing[1]),
-        "BillingPeriodStart": stamp(billing[0]),
-        "ChargeCategory": "Usage",
-        "ChargeClass": "",
-        "ChargeDescription": f"LLM inference on {model} ({tier} tier): {g.input} input tokens "
-        f"({g.cached} cached), {g.output} output tokens, {block_hours:.6f} KV block-hours",
-        "ChargePeriodEnd": stamp(end),
-        "ChargePeriodStart": stamp(start),
-        "ConsumedQuantity": str(consumed),
-        "ConsumedUnit": "Tokens",
-        "ContractedCost": cost,
-        "EffectiveCost": cost,
-        "InvoiceIssuerName": provider,
-        "ListCost": cost,
-        "PricingQuantity": str(Decimal(consumed) / THOUSAND),
-        "PricingUnit": "1K Tokens",
-        "ProviderName": provider,
-        "PublisherName": provider,
-        "ServiceCategory": "AI and Machine Learning",
-        "ServiceName": "kvlease LLM inference",
-        "SubAccountId": tenant,
-        "Tags": json.dumps({"kvlease/tier": tier, "kvlease/model": model}, sort_keys=True),
-        "x_RowKey": hashlib.sha256(
-            f"{tenant}\x1f{model}\x1f{granularity}\x1f{stamp(start)}".encode()
-        ).hexdigest()[:32],
-        "x_Tier": tier,
-        "x_Model": model,
-        "x_Requests": str(g.requests),
-        "x_InputTokens": str(g.input),
-        "x_CachedInputTokens": str(g.cached),
-        "x_OutputTokens": str(g.output),
-        "x_RecomputedTokens": str(g.recomputed),
-        "x_BlockHours": f"{block_hours:.9f}",
-        "x_Preemptions": str(g.preemptions),
-    }
+class _Context:
+    """What every row of one export shares."""
+
+    def __init__(self, granularity: str, tiers: TierTable, window) -> None:
+        self.granularity, self.currency, self.window = granularity, tiers.currency, window
+        self.account_id = os.environ.get(ACCOUNT_ID_ENV, "kvlease")
+        self.account_name = os.environ.get(ACCOUNT_NAME_ENV, self.account_id)
+        self.provider = os.environ.get(PROVIDER_ENV, "kvlease")
+
+    def rows(self, key, groups: dict) -> Iterator[dict[str, str]]:
+        if key is None:
+            return
+        tenant, model, (start, end) = key
+        if self.window is not None:
+            start, end = max(start, self.window[0]), min(end, self.window[1])
+        for (tier, prices), g in sorted(groups.items()):
+            tags = json.dumps({"kvlease/tier": tier, "kvlease/model": model}, sort_keys=True)
+            for i in range(len(SKUS)):
+                yield self._row(tenant, model, (start, end), tier, tags, prices[i], g, i)
+
+    def _row(self, tenant, model, charge_period, tier, tags, price, g: _Group, i: int):
+        sku, pricing_unit, consumed_unit, what = SKUS[i]
+        start, end = charge_period
+        billing = period(start, "month")
+        cost = _decimal(g.pricing[i] * price)
+        primary = i == 0  # request-level figures ride on the input row; 0 elsewhere
+        sku_price = f"{sku}:{tier}:{_decimal(price)}:{self.currency}"
+        row_key = "\x1f".join(
+            (tenant, model, self.granularity, stamp(start), stamp(end), sku_price)
+        )
+        return {
+            "BilledCost": cost,
+            "BillingAccountId": self.account_id,
+            "BillingAccountName": self.account_name,
+            "BillingCurrency": self.currency,
+            "BillingPeriodEnd": stamp(billing[1]),
+            "BillingPeriodStart": stamp(billing[0]),
+            "ChargeCategory": "Usage",
+            "ChargeClass": "",
+            "ChargeDescription": f"{what} on {model}, {tier} tier",
+            "ChargeFrequency": "Usage-Based",
+            "ChargePeriodEnd": stamp(end),
+            "ChargePeriodStart": stamp(start),
+            "CommitmentDiscountCategory": "",
+            "CommitmentDiscountId": "",
+            "CommitmentDiscountName": "",
+            "CommitmentDiscountStatus": "",
+            "CommitmentDiscountType": "",
+            "ConsumedQuantity": _decimal(g.consumed[i]),
+            "ConsumedUnit": consumed_unit,
+            "ContractedCost": cost,
+            "ContractedUnitPrice": _decimal(price),
+            "EffectiveCost": cost,
+            "InvoiceIssuerName": self.provider,
+            "ListCost": cost,
+            "ListUnitPrice": _decimal(price),
+            "PricingCategory": "Standard",
+            "PricingQuantity": _decimal(g.pricing[i]),
+            "PricingUnit": pricing_unit,
+            "ProviderName": self.provider,
+            "PublisherName": self.provider,
+            "RegionId": "",
+            "RegionName": "",
+            "ResourceId": f"{self.provider}/models/{model}",
+            "ResourceName": model,
+            "ResourceType": "LLM model",
+            "ServiceCategory": "AI and Machine Learning",
+            "ServiceName": "kvlease LLM inference",
+            "SkuId": f"kvlease-{sku}",
+            "SkuPriceId": sku_price,
+            "SubAccountId": tenant,
+            "SubAccountName": tenant,
+            "Tags": tags,
+            "x_RowKey": hashlib.sha256(row_key.encode()).hexdigest()[:32],
+            "x_Tier": tier,
+            "x_Model": model,
+            "x_Requests": str(g.requests if primary else 0),
+            "x_InputTokens": str(g.input if primary else 0),
+            "x_CachedInputTokens": str(g.cached if primary else 0),
+            "x_OutputTokens": str(g.output if primary else 0),
+            "x_RecomputedTokens": str(g.recomputed if primary else 0),
+            "x_BlockHours": _decimal(g.block_seconds / Decimal(3600) if primary else ZERO),
+            "x_Preemptions": str(g.preemptions if primary else 0),
+        }
+
+
+def _decimal(value: Decimal) -> str:
+    """FOCUS decimals: plain notation (never `1E+1`), and always a decimal point, so a
+    reader that infers types (pandas, the FinOps validator) reads a decimal column."""
+    text = format(value.normalize(), "f") if value else "0"
+    return text if "." in text else f"{text}.0"
 
 
 def raw_rows(records: Iterable[UsageRecord]) -> Iterator[dict[str, str]]:
@@ -256,12 +348,14 @@ def _values(r: UsageRecord) -> list:
 
 
 def csv_chunks(rows: Iterable[dict[str, str]], columns: tuple[str, ...]) -> Iterator[str]:
-    """CSV text, header first, a chunk per 500 rows: for streamed HTTP responses and files."""
+    """CSV text, header first, a chunk per 500 rows: for streamed HTTP responses and files.
+    A cell a spreadsheet would run as a formula (it starts with =, +, -, @, a tab or a
+    carriage return: a tenant id or a model name may) is prefixed with a quote."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for i, row in enumerate(rows, 1):
-        writer.writerow(row)
+        writer.writerow({k: _inert(v) for k, v in row.items()})
         if i % 500 == 0:
             yield buffer.getvalue()
             buffer.seek(0)
@@ -269,14 +363,24 @@ def csv_chunks(rows: Iterable[dict[str, str]], columns: tuple[str, ...]) -> Iter
     yield buffer.getvalue()
 
 
+def _inert(value: str) -> str:
+    return f"'{value}" if value and value[0] in FORMULA_STARTS else value
+
+
 def export_chunks(
-    records: Iterable[UsageRecord], fmt: str, granularity: str, tiers: TierTable
+    records: Iterable[UsageRecord],
+    fmt: str,
+    granularity: str,
+    tiers: TierTable,
+    window: tuple[float, float] | None = None,
 ) -> Iterator[str]:
     """The export file, as `kvlease usage export` and `/admin/usage.csv` give it (the
     dashboard writes the same FOCUS rows with the same `csv_chunks`)."""
     if fmt == "raw":
         return csv_chunks(raw_rows(records), RAW_COLUMNS)
-    return csv_chunks(focus_rows(records, granularity, tiers), FOCUS_COLUMNS)
+    if fmt != "focus":
+        raise ValueError(f"format must be focus or raw, got {fmt!r}")
+    return csv_chunks(focus_rows(records, granularity, tiers, window), FOCUS_COLUMNS)
 
 
 def parse_window(start: str | None, end: str | None) -> tuple[float, float]:

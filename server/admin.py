@@ -92,7 +92,7 @@ async def usage_csv(request: Request) -> Any:
 
     def open_export() -> tuple[Iterator[str], str | None]:
         records = TELEMETRY.ledger().read(start, end, tenants)
-        chunks = export_chunks(records, fmt, granularity, TierTable.load())
+        chunks = export_chunks(records, fmt, granularity, TierTable.load(), (start, end))
         return chunks, next(chunks, None)
 
     try:
@@ -139,7 +139,7 @@ async def usage_json(request: Request) -> Any:
 
     def rows() -> list[dict[str, str]]:
         records = TELEMETRY.ledger().read(start, end, tenants)
-        return list(focus_rows(records, granularity, TierTable.load()))
+        return list(focus_rows(records, granularity, TierTable.load(), (start, end)))
 
     try:
         found = await run_in_threadpool(rows)

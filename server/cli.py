@@ -140,9 +140,8 @@ def _usage_export(args: argparse.Namespace) -> int:
     tiers = TierTable.load(args.tiers)
     start, end = parse_window(args.start, args.end)
     ledger = UsageLedger(args.usage_db, create=False)  # a reader never makes a ledger
-    chunks = export_chunks(
-        ledger.read(start, end, args.tenant), args.format, args.granularity, tiers
-    )
+    records = ledger.read(start, end, args.tenant)
+    chunks = export_chunks(records, args.format, args.granularity, tiers, (start, end))
     try:
         out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     except OSError as exc:

@@ -102,13 +102,21 @@ def usage_db(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'usage.db'}"
 
 
-@pytest.fixture(scope="module")
-def pressured_server(kvlease_home, tmp_path_factory, usage_db):
+@pytest.fixture(scope="session")
+def pressured_ledger(tmp_path_factory) -> str:
+    """The ledger URL of `pressured_server`."""
+    return f"sqlite:///{tmp_path_factory.mktemp('pressured-ledger') / 'usage.db'}"
+
+
+@pytest.fixture(scope="session")
+def pressured_server(kvlease_home, tmp_path_factory, pressured_ledger):
     """`kvlease serve` on 48 blocks of 32 tokens, with its own ledger: six tenants
-    streaming 200-token replies run it short. One per test module."""
+    streaming 200-token replies run it short. One per test session, shared by the
+    dashboard's browser module and the Grafana module (an engine start saved): the
+    browser module runs first (file order) and opens with the idle-engine page."""
     from servers import kvlease_serve
 
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = kvlease_serve(kvlease_home, log, "--usage-db", usage_db, "--num-blocks", "48")
+    srv = kvlease_serve(kvlease_home, log, "--usage-db", pressured_ledger, "--num-blocks", "48")
     yield srv
     srv.stop(signal.SIGKILL)

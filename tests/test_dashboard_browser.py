@@ -83,12 +83,13 @@ def traffic(server):
 
 
 @pytest.fixture(scope="module")
-def dashboard(server, usage_db, tmp_path_factory):
+def dashboard(server, pressured_ledger, tmp_path_factory):
     port = free_port()
-    env = {**os.environ, **_admin_env(server), "KVLEASE_USAGE_DB": usage_db}
+    env = {**os.environ, **_admin_env(server), "KVLEASE_USAGE_DB": pressured_ledger}
     log = (tmp_path_factory.mktemp("dashboard") / "streamlit.log").open("w")
+    argv = [*DASHBOARD, "--engine", server.url, "--usage-db", pressured_ledger]
     proc = subprocess.Popen(
-        [*DASHBOARD, "--engine", server.url, "--usage-db", usage_db, "--port", str(port), *SLOWER],
+        [*argv, "--port", str(port), *SLOWER],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -130,20 +131,14 @@ PLOTTED_POINTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot'
 
 def _screenshot(page, path: Path, charts: int) -> None:
     """An artifact, not an assertion: taken once every chart is drawn and nothing is
-    greyed out by a rerun, if that happens within a minute on these two busy cores."""
+    greyed out by a rerun, or after 20 s on these two busy cores, whichever is first."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     settled = f"""() => Array.from(document.querySelectorAll('.js-plotly-plot'))
         .filter(el => el.querySelector('.main-svg')).length == {charts}
         && !document.querySelector('[data-stale="true"]')"""
-    for _ in range(3):
-        try:
-            page.wait_for_function(settled, timeout=20_000)
-        except PlaywrightTimeout:
-            continue
-        page.screenshot(path=path)
-        if page.evaluate(settled):
-            return
+    with contextlib.suppress(PlaywrightTimeout):
+        page.wait_for_function(settled, timeout=20_000)
     page.screenshot(path=path)
 
 
@@ -180,12 +175,14 @@ def test_prometheus_as_the_source_gives_the_same_tenants(server, traffic, monkey
         app = _app(monkeypatch, {data.PROMETHEUS_ENV: prom})
         assert not app.exception and not app.error
         tenants = app.dataframe[0].value.set_index("tenant_id")
-        assert {"premium-a", "standard-a", "free-a"} <= set(tenants.index)
+        # Leased sessions hold blocks at every instant; a free tenant may hold none just
+        # then (preempted, its prefix evicted), so it is not required.
+        assert {"premium-a", "standard-a"} <= set(tenants.index) <= {t for t, _ in TENANTS}
         assert tenants.loc["premium-a", "tier"] == "premium"
 
 
 def test_browser_downloads_the_cli_csv_from_the_usage_page(
-    server, traffic, dashboard, browser, usage_db, tmp_path
+    server, traffic, dashboard, browser, pressured_ledger, tmp_path
 ):
     traffic.halt()  # the ledger must hold still to be compared
     time.sleep(1.0)
@@ -199,7 +196,7 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     got = tmp_path / "page.csv"
     download.value.save_as(got)
     expected = tmp_path / "cli.csv"
-    export = ["usage", "export", "--usage-db", usage_db, "--granularity", "day"]
+    export = ["usage", "export", "--usage-db", pressured_ledger, "--granularity", "day"]
     assert main([*export, "-o", str(expected)]) == 0
     assert got.read_bytes() == expected.read_bytes()
     assert got.read_text().count("premium-a") >= 1

@@ -1,5 +1,5 @@
-"""`kvlease demo --requests 36 --no-dashboard`, as CI runs it: a fresh KVLEASE_HOME (the
-demo model gets built), a real server, Prometheus and three requests per tenant.
+"""`kvlease demo --requests 24 --no-dashboard`, as CI runs it: a fresh KVLEASE_HOME (the
+demo model gets built), a real server, Prometheus and two requests per tenant.
 
 Nothing here depends on the machine's speed: the demo's pressure is set in tokens
 (`demo.run.demand_blocks`), and the run ends after a number of requests, not seconds."""
@@ -56,7 +56,7 @@ def demo_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
     env["KVLEASE_HOME"] = str(home)
     out = (home / "demo.out").open("w")
-    argv = [sys.executable, "-m", "server.cli", "demo", "--requests", "36", "--no-dashboard"]
+    argv = [sys.executable, "-m", "server.cli", "demo", "--requests", "24", "--no-dashboard"]
     argv += ["--port", str(port), "--prometheus-port", str(free_port())]
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     last_metrics = ""

@@ -92,12 +92,17 @@ def test_cost_is_exact_and_recomputed_tokens_are_never_billed(tiers):
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
 
-def _focus(records, tiers, granularity="day") -> list[dict]:
-    text = "".join(csv_chunks(focus_rows(records, granularity, tiers), FOCUS_COLUMNS))
+def _focus(records, tiers, granularity="day", window=None) -> list[dict]:
+    text = "".join(csv_chunks(focus_rows(records, granularity, tiers, window), FOCUS_COLUMNS))
     return list(csv.DictReader(io.StringIO(text)))
 
 
-def test_focus_export_validates(tiers):
+SKUS = ["kvlease-input-tokens", "kvlease-cached-input-tokens", "kvlease-output-tokens"]
+SKUS.append("kvlease-kv-block-hours")
+PLAIN_DECIMAL = re.compile(r"\d+\.\d+")
+
+
+def test_focus_export_has_one_row_per_charge_with_its_unit_price(tiers):
     records = [
         rec(i, tenant, tier, at=NOV + 3600 * h)
         for i, (tenant, tier, h) in enumerate(
@@ -110,37 +115,64 @@ def test_focus_export_validates(tiers):
         )
     ]
     rows = _focus(records, tiers)
-    assert [(r["SubAccountId"], r["ChargePeriodStart"]) for r in rows] == [
-        ("acme", "2026-11-01T00:00:00Z"),
-        ("acme", "2026-11-02T00:00:00Z"),
-        ("bob", "2026-11-01T00:00:00Z"),
+    assert [(r["SubAccountId"], r["ChargePeriodStart"], r["SkuId"]) for r in rows] == [
+        (tenant, day, sku)
+        for tenant, day in [
+            ("acme", "2026-11-01T00:00:00Z"),
+            ("acme", "2026-11-02T00:00:00Z"),
+            ("bob", "2026-11-01T00:00:00Z"),
+        ]
+        for sku in SKUS
     ]
     for row in rows:
         assert set(FOCUS_COLUMNS) == set(row)
-        for column in (
-            "ChargePeriodStart",
-            "ChargePeriodEnd",
-            "BillingPeriodStart",
-            "BillingPeriodEnd",
-        ):
+        for column in ("ChargePeriodStart", "ChargePeriodEnd", "BillingPeriodStart"):
             assert TIMESTAMP.match(row[column])
-        assert (row["ConsumedUnit"] == "") == (row["ConsumedQuantity"] == "")
+        for column in ("BilledCost", "ListUnitPrice", "PricingQuantity", "ConsumedQuantity"):
+            assert PLAIN_DECIMAL.fullmatch(row[column]), (column, row[column])  # never 1E+1
         assert row["BilledCost"] == row["EffectiveCost"] == row["ListCost"] == row["ContractedCost"]
+        unit, quantity = Decimal(row["ListUnitPrice"]), Decimal(row["PricingQuantity"])
+        assert Decimal(row["ListCost"]) == unit * quantity
         assert row["BillingCurrency"] == "USD" and row["ChargeCategory"] == "Usage"
-    first = rows[0]
-    assert first["x_Requests"] == "2" and first["x_InputTokens"] == "2000"
-    assert first["x_RecomputedTokens"] == "140"
-    assert Decimal(first["BilledCost"]) == 2 * record_cost(records[0], tiers)
-    assert Decimal(rows[2]["BilledCost"]) == 0  # free tier
-    assert first["BillingPeriodStart"] == "2026-11-01T00:00:00Z"
-    assert first["BillingPeriodEnd"] == "2026-12-01T00:00:00Z"
+        assert row["CommitmentDiscountId"] == row["RegionId"] == ""  # null: does not apply
+    first = rows[:4]
+    premium = tiers["premium"].prices
+    assert [Decimal(r["ListUnitPrice"]) for r in first] == [
+        premium.input_per_1k,
+        premium.cached_input_per_1k,
+        premium.output_per_1k,
+        premium.block_hour,
+    ]
+    assert [r["ConsumedQuantity"] for r in first[:3]] == ["1200.0", "800.0", "1000.0"]
+    assert sum(Decimal(r["BilledCost"]) for r in first) == 2 * record_cost(records[0], tiers)
+    # Request-level figures ride on the input row, so a column's sum is the total.
+    assert first[0]["x_Requests"] == "2" and first[0]["x_InputTokens"] == "2000"
+    assert first[0]["x_RecomputedTokens"] == "140"
+    assert {r["x_Requests"] for r in first[1:]} == {"0"}
+    assert all(Decimal(r["BilledCost"]) == 0 for r in rows[8:])  # free tier
+    assert first[0]["BillingPeriodEnd"] == "2026-12-01T00:00:00Z"
 
 
-def test_row_keys_are_stable_and_unique_per_tenant_model_period(tiers):
+def test_row_keys_are_stable_and_unique_per_charge(tiers):
     records = [rec(1), rec(2, model="other"), rec(3, at=NOV + 90000)]
     keys = [r["x_RowKey"] for r in _focus(records, tiers)]
-    assert len(set(keys)) == 3
+    assert len(set(keys)) == 3 * 4
     assert keys == [r["x_RowKey"] for r in _focus(list(reversed(records[:1])) + records[1:], tiers)]
+
+
+def test_partial_period_exports_are_clipped_and_never_share_a_row_key(tiers):
+    mid = NOV + 15 * 86400
+    records = [rec(1, at=NOV + 3600), rec(2, at=mid + 3600)]
+    first = _focus(records[:1], tiers, "month", (NOV, mid))
+    second = _focus(records[1:], tiers, "month", (mid, NOV + 30 * 86400))
+    assert {r["ChargePeriodEnd"] for r in first} == {"2026-11-16T00:00:00Z"}
+    assert {r["ChargePeriodStart"] for r in second} == {"2026-11-16T00:00:00Z"}
+    assert not {r["x_RowKey"] for r in first} & {r["x_RowKey"] for r in second}
+
+
+def test_cells_a_spreadsheet_would_run_are_made_inert(tiers):
+    rows = _focus([rec(1, tenant="-x", model='=HYPERLINK("http://evil")')], tiers)
+    assert rows[0]["SubAccountId"] == "'-x" and rows[0]["x_Model"].startswith("'=")
 
 
 @pytest.mark.parametrize(
@@ -163,7 +195,7 @@ def test_cli_export_writes_focus_and_raw_csv(ledger, tiers, tmp_path, capsys):
     out = tmp_path / "nov.csv"
     assert _export(ledger, "--granularity", "month", "-o", str(out)) == 0
     rows = list(csv.DictReader(out.open()))
-    assert [r["SubAccountId"] for r in rows] == ["acme", "bob"]
+    assert [r["SubAccountId"] for r in rows] == ["acme"] * 4 + ["bob"] * 4
     assert _export(ledger, "--format", "raw", "--tenant", "bob") == 0
     raw = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [r["tenant_id"] for r in raw] == ["bob"] and raw[0]["ended_at"].endswith("Z")
