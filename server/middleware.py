@@ -361,19 +361,7 @@ class TenantMiddleware:
             await send_error(send, 400, f"request body is not valid JSON: {reason}", "invalid_json")
             return None
         if isinstance(doc, dict):
-            ctx = entry.ctx
-            if isinstance(doc.get("model"), str):
-                entry.model = doc["model"]
-            entry.engine_requests = engine_requests(scope["path"], doc)
-            if scope["path"] == RESPONSES_PATH:
-                # vLLM names a response's engine requests from the body, not X-Request-Id.
-                doc["request_id"] = f"resp_{request_id}"
-            doc["vllm_xargs"] = ctx.extra_args()
-            if isinstance(doc.get("sampling_params"), dict):  # /inference/v1/generate
-                doc["sampling_params"]["extra_args"] = ctx.extra_args()
-            doc["cache_salt"] = self.config.cache_salt(ctx.tenant_id)
-            doc["priority"] = self.config.tiers[ctx.tier].priority
-            body = json.dumps(doc).encode()
+            body = self._with_tenant_fields(doc, scope["path"], entry, request_id)
             scope["headers"] = [
                 (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
             ] + [(b"content-length", str(len(body)).encode())]
@@ -387,6 +375,22 @@ class TenantMiddleware:
             return await receive()  # after the body: disconnects reach vLLM as usual
 
         return replay
+
+    def _with_tenant_fields(self, doc: dict, path: str, entry: InFlight, request_id: str) -> bytes:
+        """The body as the engine must see it: only server-chosen tenant fields."""
+        ctx = entry.ctx
+        if isinstance(doc.get("model"), str):
+            entry.model = doc["model"]
+        entry.engine_requests = engine_requests(path, doc)
+        if path == RESPONSES_PATH:
+            # vLLM names a response's engine requests from the body, not X-Request-Id.
+            doc["request_id"] = f"resp_{request_id}"
+        doc["vllm_xargs"] = ctx.extra_args()
+        if isinstance(doc.get("sampling_params"), dict):  # /inference/v1/generate
+            doc["sampling_params"]["extra_args"] = ctx.extra_args()
+        doc["cache_salt"] = self.config.cache_salt(ctx.tenant_id)
+        doc["priority"] = self.config.tiers[ctx.tier].priority
+        return json.dumps(doc).encode()
 
 
 class _Response:
