@@ -212,6 +212,32 @@ def test_missing_token_is_a_401_with_a_bearer_challenge(app):
     }
 
 
+async def _post_status(app, auth, body_after: asyncio.Event | None = None) -> int:
+    """One POST through `app` concurrently with others; its status. `body_after`: the
+    body arrives only once that event is set (a slow client)."""
+    sent = []
+
+    async def receive():
+        if body_after is not None:
+            await body_after.wait()
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [
+            (auth[0].lower().encode(), auth[1].encode()),
+            (b"content-type", b"application/json"),
+        ],
+    }
+    await app(scope, receive, send)
+    return sent[0]["status"]
+
+
 def test_a_tenant_over_its_tier_concurrency_cap_gets_429(config, hs_ring, tiers):
     release = asyncio.Event()
 
@@ -223,29 +249,8 @@ def test_a_tenant_over_its_tier_concurrency_cap_gets_429(config, hs_ring, tiers)
     app = TenantMiddleware(slow_app, config)
     auth = bearer(hs_ring, tiers, "busy", "free")  # free: 8 at a time
 
-    async def one():
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/completions",
-            "headers": [
-                (auth[0].lower().encode(), auth[1].encode()),
-                (b"content-type", b"application/json"),
-            ],
-        }
-        await app(scope, receive, send)
-        return sent[0]["status"]
-
     async def main():
-        tasks = [asyncio.create_task(one()) for _ in range(9)]
+        tasks = [asyncio.create_task(_post_status(app, auth)) for _ in range(9)]
         await asyncio.sleep(0.05)
         assert app.in_flight["busy"] == 8
         release.set()
@@ -285,30 +290,8 @@ def test_the_limit_counts_a_request_before_its_body_arrives(config, hs_ring, tie
     app = TenantMiddleware(Recorder(), config)
     auth = bearer(hs_ring, tiers, "slow", "free")
 
-    async def one():
-        sent = []
-
-        async def receive():
-            await release.wait()  # the body is late
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {
-            "type": "http",
-            "method": "POST",
-            "path": "/v1/completions",
-            "headers": [
-                (auth[0].lower().encode(), auth[1].encode()),
-                (b"content-type", b"application/json"),
-            ],
-        }
-        await app(scope, receive, send)
-        return sent[0]["status"]
-
     async def main():
-        tasks = [asyncio.create_task(one()) for _ in range(50)]
+        tasks = [asyncio.create_task(_post_status(app, auth, release)) for _ in range(50)]
         await asyncio.sleep(0.01)
         release.set()
         return sorted(await asyncio.gather(*tasks))
