@@ -26,7 +26,7 @@ import logging
 import os
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +78,8 @@ ADMIN_PATHS = frozenset(
     {"/inference/v1/abort_requests", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 )
 RESPONSES_PATH = "/v1/responses"
+RESPONSE_ROUTES = frozenset({"render"})  # /v1/responses/<name> routes that are not an id
+MAX_RESPONSE_OWNERS = 100_000  # stored responses whose tenant is remembered (LRU)
 # Routes whose successful responses are engine requests with a usage record.
 GENERATION_PATHS = frozenset(
     {
@@ -215,13 +217,17 @@ class TenantMiddleware:
     """Verifies tenants and rewrites their requests; see the module docstring.
 
     In-flight requests per tenant are counted here (one API process) to
-    enforce the tier's `max_concurrent_requests` with HTTP 429.
+    enforce the tier's `max_concurrent_requests` with HTTP 429. The tenant of each
+    response it let through `/v1/responses` is remembered (the last 100,000, as vLLM's
+    response store lives in this process too), so `/v1/responses/{id}` and its
+    `/cancel` answer only that tenant (and admins): 404 to anyone else.
     """
 
     def __init__(self, app: Callable, config: ServerConfig | None = None) -> None:
         self.app = app
         self.config = config or ServerConfig.from_env()
         self.in_flight: Counter[str] = Counter()
+        self._response_owner: OrderedDict[str, str] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -271,6 +277,9 @@ class TenantMiddleware:
         """Count it against the tier's limit (before its body is read, so a slow body
         cannot slip past the limit), give it an id, rewrite its body, and follow its
         response: the usage record committed before the last byte."""
+        if self._someone_elses_response(scope["path"], ctx):
+            await send_error(send, 404, "no such response", "not_found")
+            return
         limit = self.config.tiers[ctx.tier].max_concurrent_requests
         if limit is not None and self.in_flight[ctx.tenant_id] >= limit:
             await send_error(
@@ -376,6 +385,17 @@ class TenantMiddleware:
 
         return replay
 
+    def _someone_elses_response(self, path: str, ctx: TenantContext) -> bool:
+        parts = path.split("/")  # "", "v1", "responses", id[, "cancel"]
+        if len(parts) < 4 or parts[:3] != ["", "v1", "responses"] or parts[3] in RESPONSE_ROUTES:
+            return False
+        return "admin" not in ctx.roles and self._response_owner.get(parts[3]) != ctx.tenant_id
+
+    def _remember_response(self, response_id: str, tenant_id: str) -> None:
+        self._response_owner[response_id] = tenant_id
+        if len(self._response_owner) > MAX_RESPONSE_OWNERS:
+            self._response_owner.popitem(last=False)
+
     def _with_tenant_fields(self, doc: dict, path: str, entry: InFlight, request_id: str) -> bytes:
         """The body as the engine must see it: only server-chosen tenant fields."""
         ctx = entry.ctx
@@ -385,6 +405,7 @@ class TenantMiddleware:
         if path == RESPONSES_PATH:
             # vLLM names a response's engine requests from the body, not X-Request-Id.
             doc["request_id"] = f"resp_{request_id}"
+            self._remember_response(doc["request_id"], ctx.tenant_id)
         doc["vllm_xargs"] = ctx.extra_args()
         if isinstance(doc.get("sampling_params"), dict):  # /inference/v1/generate
             doc["sampling_params"]["extra_args"] = ctx.extra_args()

@@ -344,3 +344,20 @@ def test_metrics_auth_asks_for_the_metrics_role(config, hs_ring, tiers, roles, s
 
 def test_metrics_stay_public_without_metrics_auth(app):
     assert call(app, "/metrics", method="GET")[0] == 200
+
+
+def test_a_stored_response_answers_only_its_tenant(app, hs_ring, tiers):
+    body = json.dumps({"model": "m", "input": "hi"}).encode()
+    _, headers, _ = call(app, "/v1/responses", body=body, headers=[bearer(hs_ring, tiers), JSON])
+    response_id = f"resp_{headers[b'x-request-id'].decode()}"
+    for path in (f"/v1/responses/{response_id}", f"/v1/responses/{response_id}/cancel"):
+        method = "GET" if path.endswith(response_id) else "POST"
+        mine = call(app, path, method=method, headers=[bearer(hs_ring, tiers, "acme")])
+        theirs = call(app, path, method=method, headers=[bearer(hs_ring, tiers, "mallory")])
+        admin = call(
+            app, path, method=method, headers=[bearer(hs_ring, tiers, "ops", roles=("admin",))]
+        )
+        assert (mine[0], theirs[0], admin[0]) == (200, 404, 200)
+        assert json.loads(theirs[2])["error"]["code"] == "not_found"
+    render = call(app, "/v1/responses/render", body=body, headers=[bearer(hs_ring, tiers), JSON])
+    assert render[0] == 200  # a route, not a response id

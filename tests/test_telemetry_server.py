@@ -26,6 +26,9 @@ from exporters.metrics import FAMILIES
 
 pytestmark = pytest.mark.engine
 TIERS = ("premium", "standard", "free")
+# Pressure set in tokens, not in timing: one request grows to (96 + 600) / 32 = 22 blocks,
+# so any 3 of the 12 concurrent ones outgrow the 63 usable blocks, however fast each runs.
+REPLY_TOKENS = 600
 
 
 class OtlpReceiver:
@@ -67,6 +70,7 @@ def otlp():
 @pytest.fixture(scope="module")
 def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
     """A 64-block server, tracing on, after two rounds of 12 concurrent long requests."""
+    assert 3 * -(-(96 + REPLY_TOKENS) // 32) > 63
     srv = start(
         [
             sys.executable,
@@ -97,7 +101,7 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
             json={
                 "model": "kvlease-demo",
                 "prompt": f"Tenant {i} asks about caches. " * 6,
-                "max_tokens": 300,
+                "max_tokens": REPLY_TOKENS,
                 "ignore_eos": True,
             },
         )
@@ -240,7 +244,7 @@ def test_every_answered_request_has_exactly_one_usage_record(loaded, usage_db):
     assert len(records) == 24 and len({r.request_id for r in records}) == 24
     for r in records:
         assert r.tier == r.tenant_id.split("-")[0] and r.model == "kvlease-demo"
-        assert r.output_tokens == 300 and r.outcome == "completed"
+        assert r.output_tokens == REPLY_TOKENS and r.outcome == "completed"
         assert r.input_tokens > 0 and r.kv_block_seconds > 0
     assert sum(r.preemptions for r in records) > 0
 
@@ -411,3 +415,7 @@ def test_a_response_is_billed_once_and_not_held_past_its_commit(loaded, usage_db
     record = _record(usage_db, "resp-t")
     assert record.output_tokens == response.usage.output_tokens == _output_counter(loaded, "resp-t")
     assert record.output_tokens > 0 and not record.partial
+    import openai
+
+    with pytest.raises(openai.NotFoundError):  # another tenant never sees it
+        _openai(loaded, "resp-other").responses.retrieve(response.id)
