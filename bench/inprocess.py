@@ -19,12 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from demo.workload import TIERS, Turn
-from engine.tenancy import TenantContext
+from engine.tenancy import TenantContext, TierTable
 from exporters.ledger import DB_ENV
 from exporters.tracing import ENABLE_ENV as OTEL_ENV
 
 BLOCK_SIZE = 32
-MAX_MODEL_LEN = 63 * BLOCK_SIZE  # the demo model's pool in the demo: 64 blocks
+
+
+def max_model_len(pool: int) -> int:
+    """The longest request the shipped lease caps leave room for on `pool` blocks (vLLM
+    keeps one back); every way of a benchmark gets the same."""
+    return TierTable.shipped().max_request_tokens(pool - 1, BLOCK_SIZE)
 
 
 @dataclass
@@ -103,7 +108,7 @@ def start_engine(
         model=model,
         enforce_eager=True,
         block_size=BLOCK_SIZE,
-        max_model_len=min(MAX_MODEL_LEN, (pool - 1) * BLOCK_SIZE),
+        max_model_len=max_model_len(pool),
         num_gpu_blocks_override=pool,
         enable_prefix_caching=True,
         seed=0,

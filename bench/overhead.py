@@ -10,7 +10,8 @@ request has a 60-token prompt and 64 output tokens; whenever requests finish,
 as many new ones arrive (outside the timed part), so the engine stays in a
 steady state of prefills and decodes with `n` requests running at most
 (`max_num_seqs`) and a backlog of n/4 waiting:
-- no pressure: the pool holds every request at its largest (4 blocks);
+- no pressure: the pool holds every request at its largest (4 blocks), beside
+  every tier's leases at their caps;
 - pressure: the pool holds 3 blocks per running request, so growing requests
   are preempted every few steps and re-admitted.
 Requests come from 32 tenants in the three tiers (1:3:8), one session each.
@@ -31,6 +32,7 @@ from typing import Any
 from bench import report
 from bench.synthetic import BLOCK, make_request, make_scheduler, step
 from demo.workload import TIERS
+from engine.tenancy import TierTable
 
 SIZES = (64, 256, 1024)
 RESULTS = Path(__file__).parent / "results"
@@ -64,10 +66,21 @@ class Load:
 
 def build(cls: type, model: str, n: int, pressure: bool) -> Load:
     largest = -(-(PROMPT + OUTPUT) // BLOCK)
-    blocks = n * 3 + 1 if pressure else (n + n // 4) * largest + 1
+    blocks = n * 3 + 1 if pressure else no_pressure_pool((n + n // 4) * largest)
     load = Load(make_scheduler(cls, model, blocks, max_num_seqs=n), n)
     time_steps(load, WARMUP_STEPS)
     return load
+
+
+def no_pressure_pool(live_blocks: int) -> int:
+    """The smallest pool in which `live_blocks` fit beside every lease at its cap (so the
+    leases' reservations cannot make kvlease run short where stock does not), plus vLLM's
+    null block. Both schedulers get it."""
+    tiers = TierTable.shipped()
+    usable = live_blocks
+    while tiers.max_request_tokens(usable, 1) < live_blocks:
+        usable += 1
+    return usable + 1
 
 
 def time_steps(load: Load, steps: int) -> tuple[float, float]:

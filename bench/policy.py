@@ -42,7 +42,6 @@ from demo.workload import TIERS, Turn
 from engine.tenancy import TierTable
 
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
-MAX_CONTEXT = 1400  # a session ends before its context passes this, as in the demo
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -78,7 +77,8 @@ def play(
     llm, scheduler, telemetry = engine.llm, engine.scheduler, engine.telemetry
     run = f"{way}{uuid.uuid4().hex[:6]}"
     vocab = llm.model_config.get_vocab_size()
-    trace = StepTrace(turns, steps_per_second, vocab, MAX_CONTEXT, run)
+    # A session ends before its context passes the engine's max_model_len, as a chat app's.
+    trace = StepTrace(turns, steps_per_second, vocab, llm.model_config.max_model_len, run)
     scheduler.bench = Observations()
     llm.reset_prefix_cache()
     step = 0

@@ -155,7 +155,7 @@ def main() -> int:
         for tenant, tier in names
     ]
     try:
-        if not start_server(demo, model, None, env, num_blocks=POOL_BLOCKS):
+        if not start_server(demo, model, TierTable.shipped(), None, env, num_blocks=POOL_BLOCKS):
             return 1
         pid = demo.procs["server"].pid
         stats, samples, elapsed = asyncio.run(drive(demo, tokens, duration, pid))

@@ -20,6 +20,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from engine.tenancy import TierTable
+
 BLOCK = 32
 _ids = itertools.count()
 
@@ -31,11 +33,15 @@ def make_scheduler(
     max_num_seqs: int = 64,
     kvlease: dict | None = None,
     async_scheduling: bool = False,
+    max_model_len: int | None = None,
 ) -> Any:
+    if max_model_len is None:  # the longest request the lease caps allow (the model: 4,096)
+        tiers = TierTable.load((kvlease or {}).get("tiers"))
+        max_model_len = min(tiers.max_request_tokens(num_blocks - 1, BLOCK), 4096)
     args = EngineArgs(
         model=model,
         block_size=BLOCK,
-        max_model_len=min((num_blocks - 1) * BLOCK, 4096),  # the demo model's limit
+        max_model_len=max_model_len,
         enforce_eager=True,
         enable_prefix_caching=True,
         num_gpu_blocks_override=num_blocks,
@@ -69,6 +75,7 @@ def make_request(
     max_tokens: int,
     session: str | None = None,
     arrival: float | None = None,
+    prompt: list[int] | None = None,
 ) -> Request:
     extra = {}
     if tenant is not None:
@@ -78,7 +85,7 @@ def make_request(
     n = next(_ids)
     return Request(
         request_id=f"r{n}",
-        prompt_token_ids=[(n * 31 + i) % 600 + 10 for i in range(prompt_len)],
+        prompt_token_ids=prompt or [(n * 31 + i) % 600 + 10 for i in range(prompt_len)],
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
         pooling_params=None,
         arrival_time=arrival,

@@ -40,7 +40,8 @@ from exporters.metrics import PREEMPTIONS, TOKENS
 MODEL = "kvlease-demo"
 BLOCK_TOKENS = 32  # kvlease serve's block size for the demo model
 POOL_BLOCKS = 64  # 63 usable; must stay under demand_blocks(): see there
-MAX_MODEL_LEN = 2048  # sessions end before 1,400 tokens (demo.client)
+MAX_MODEL_LEN = 2048  # at most; the tier table's lease caps may allow less (max_model_len())
+CONTEXT_MARGIN = 200  # tokens the chat template adds over what the trace counts
 STOP_SECONDS = 60
 
 
@@ -51,6 +52,12 @@ def demand_blocks(spec: WorkloadSpec) -> int:
     first reply: the free tier is preempted on any machine, whatever its speed."""
     per_request = -(-(spec.input_median + spec.output_median) // BLOCK_TOKENS)
     return sum(spec.tenants) * per_request
+
+
+def max_model_len(tiers: TierTable, num_blocks: int = POOL_BLOCKS) -> int:
+    """The demo server's context length: the longest request its lease caps leave room
+    for (vLLM keeps one block back), at most MAX_MODEL_LEN."""
+    return min(MAX_MODEL_LEN, tiers.max_request_tokens(num_blocks - 1, BLOCK_TOKENS))
 
 
 def demo_spec(tenants: int, seed: int) -> WorkloadSpec:
@@ -138,7 +145,7 @@ def run_demo(
     _interrupt_on_signals()
     try:
         model = resolve_model(model)
-        if not start_server(demo, model, tiers_path, env):
+        if not start_server(demo, model, tiers, tiers_path, env):
             return 1
         prom_url = _start_prometheus(demo, prometheus_port, env)
         admin = session_token(keyring, tiers, "demo-admin", "premium", roles=("admin", "finance"))
@@ -208,6 +215,7 @@ def resolve_model(model: str | None) -> str:
 def start_server(
     demo: Demo,
     model: str,
+    tiers: TierTable,
     tiers_path: str | None,
     env: dict[str, str],
     num_blocks: int = POOL_BLOCKS,
@@ -222,7 +230,7 @@ def start_server(
         "--block-size",
         str(BLOCK_TOKENS),
         "--max-model-len",
-        str(min(MAX_MODEL_LEN, (num_blocks - 1) * BLOCK_TOKENS)),
+        str(max_model_len(tiers, num_blocks)),
     ]
     argv += ["--usage-db", f"sqlite:///{demo.ledger}", "--served-model-name", MODEL]
     if tiers_path:
@@ -317,6 +325,7 @@ def _drive(demo, spec, keyring, tiers, duration, requests) -> LoadStats:
                 MODEL,
                 stats,
                 stop,
+                max_context=max_model_len(tiers) - CONTEXT_MARGIN,
                 max_requests=requests,
             )
         )

@@ -12,13 +12,23 @@ adds separator nodes that split it into segments, evicted in this order:
 
 A cached block freed by a session whose lease is running goes to the back of
 its tier's LEASED segment, so it is evicted only after every EMPTY and CACHED
-block. A tier's LEASED segment holds at most its cap: at the cap, the tier's
-oldest leased block (the front of the segment) moves to the back of CACHED, so
-the sessions that were active last, the likeliest to send a next turn, keep
-their prefixes. When a lease expires its blocks move to the front of CACHED:
-they are at least `lease_seconds` old, the stalest prefixes.
+block. A lease protects the session's latest context only: when the session's
+last request in flight frees its blocks, the session's blocks still in LEASED
+(those that request did not reuse) are demoted first. A tier's LEASED segment
+holds at most its cap: at the cap, the tier's oldest leased block (the front of
+the segment) moves to the back of CACHED, so the sessions that were active last,
+the likeliest to send a next turn, keep their prefixes. When a lease expires its
+blocks move to the front of CACHED: they are at least `lease_seconds` old, the
+stalest prefixes.
 With no owner set, every append lands in CACHED and the queue behaves exactly
 like vLLM's (a differential test checks this).
+
+A lease is a reservation: while the scheduler allocates for a request, it sets
+`reserve_from` to the first LEASED segment that request may not take (a more
+important tier's), and the queue then reports and hands out only the blocks in
+front of it. vLLM's `allocate_slots` reads `num_free_blocks` before it pops, so a
+request that would need a reserved block gets no blocks: a running one is preempted
+(or preempts a lower one), a waiting one waits.
 
 It does not import vLLM: blocks are duck-typed (`block_id`, `block_hash`,
 `prev_free_block`, `next_free_block`), like the ones vLLM's queue links.
@@ -54,6 +64,7 @@ class Holder:
     leased_segment: int | None  # segment of this tier's leases; None: tier has no lease
     protected: bool = False
     in_flight: int = 0  # requests of this session in the engine
+    deferred: int = 0  # its block frees vLLM has put off (connectors, in-flight steps)
     cached: int = 0  # blocks in CACHED
     leased: int = 0  # blocks in a LEASED segment
     evicted_cached: int = 0  # cumulative
@@ -78,13 +89,14 @@ class TenantFreeBlockQueue:
     """vLLM's free-block queue with EMPTY / CACHED / LEASED segments.
 
     Invariants: the list runs HEAD, blocks and separators in segment order,
-    TAIL; `num_free_blocks` counts real blocks; `_segment[b]` is the segment of
+    TAIL; `_free` counts real blocks; `_segment[b]` is the segment of
     every free block b and `_owner[b]` its Holder (None for EMPTY blocks and
     blocks freed with no owner); each Holder's `cached`/`leased` equal the
     blocks it owns in those segments; `_leased_count[s] <= _cap[s]`.
 
     Costs: popleft is O(segments) (a small constant: tiers + 2), remove,
-    append (with a demotion at the cap) and prepend are O(1); none allocates.
+    append (with a demotion at the cap) and prepend are O(1); `num_free_blocks`
+    is O(1) with no reservation set and O(segments) with one; none allocates.
     Lease release is O(blocks in that tier's segment) and happens once per
     lease expiry, off the hot path.
     """
@@ -98,10 +110,13 @@ class TenantFreeBlockQueue:
             a.next_free_block, b.prev_free_block = b, a
         self._cap = [0] * FIRST_LEASED + list(leased_caps)
         self._leased_count = [0] * nseg
+        self.leased_blocks = 0  # blocks in every LEASED segment: 0 means nothing is reserved
         self._segment = [EMPTY] * num_blocks
         self._owner: list[Holder | None] = [None] * num_blocks
-        self.num_free_blocks = 0
+        self._free = 0
         self.owner: Holder | None = None  # who is freeing blocks right now (set by the scheduler)
+        self.no_reserve = nseg  # `reserve_from` when every block may be taken
+        self.reserve_from = nseg  # segments from here on are reserved (set by the scheduler)
         self.evicting: list[Holder] = []  # holders with pending evictions to report
         for block in blocks:
             self._insert_before(self._seps[CACHED], block, EMPTY, None)
@@ -114,6 +129,19 @@ class TenantFreeBlockQueue:
     # -- vLLM's FreeKVCacheBlockQueue interface ------------------------------
 
     @property
+    def num_free_blocks(self) -> int:
+        """Free blocks the current allocation may take (all of them with no reservation)."""
+        free = self._free
+        for seg in range(self.reserve_from, self.no_reserve):
+            free -= self._leased_count[seg]
+        return free
+
+    @property
+    def free_unleased(self) -> int:
+        """Free blocks outside every LEASED segment: what any request may take."""
+        return self._free - self.leased_blocks
+
+    @property
     def fake_free_list_head(self) -> _Separator:
         return self._head
 
@@ -124,7 +152,7 @@ class TenantFreeBlockQueue:
     def popleft(self) -> Block:
         node = self._head.next_free_block
         while node.block_id < 0:
-            if node is self._tail:
+            if node is self._tail or node.segment >= self.reserve_from:
                 raise ValueError("No free blocks available")
             node = node.next_free_block
         self._unlink(node, evicting=True)
@@ -178,6 +206,11 @@ class TenantFreeBlockQueue:
     def release(self, holder: Holder) -> int:
         """The holder's lease ended: move its blocks to the front of CACHED, in order."""
         holder.protected = False
+        return self.demote(holder)
+
+    def demote(self, holder: Holder) -> int:
+        """Move the holder's leased blocks to the front of CACHED, in order: they are the
+        stalest prefixes. O(blocks in its tier's LEASED segment)."""
         seg = holder.leased_segment
         if seg is None or holder.leased == 0:
             return 0
@@ -228,8 +261,9 @@ class TenantFreeBlockQueue:
                     leased[seg] += 1
             prev, node = node, node.next_free_block
         assert prev is self._tail
-        assert seen == self.num_free_blocks, "num_free_blocks out of sync"
+        assert seen == self._free, "free block count out of sync"
         assert leased == self._leased_count, "leased segment counts out of sync"
+        assert sum(leased) == self.leased_blocks, "leased block total out of sync"
         for s in range(FIRST_LEASED, len(self._seps) - 1):
             assert self._leased_count[s] <= self._cap[s], "leased cap exceeded"
         for owner, (cached, in_lease) in counts.items():
@@ -259,14 +293,15 @@ class TenantFreeBlockQueue:
             elif seg >= FIRST_LEASED:
                 owner.leased += 1
                 self._leased_count[seg] += 1
-        self.num_free_blocks += 1
+                self.leased_blocks += 1
+        self._free += 1
 
     def _unlink(self, block: Block, evicting: bool) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
         prev.next_free_block = nxt
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
-        self.num_free_blocks -= 1
+        self._free -= 1
         i = block.block_id
         owner = self._owner[i]
         if owner is None:
@@ -277,6 +312,7 @@ class TenantFreeBlockQueue:
         if leased:
             owner.leased -= 1
             self._leased_count[seg] -= 1
+            self.leased_blocks -= 1
         else:
             owner.cached -= 1
         if evicting and block.block_hash is not None:

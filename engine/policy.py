@@ -5,19 +5,28 @@ turns vLLM requests into `Candidate`s and asks this module what to do, so the
 rules are testable in milliseconds and readable in one sitting.
 
 Victim order among running requests (first = preempted first):
-  1. unclassified requests (no tenant),
+  1. unclassified requests (no tenant), newest admission first: vLLM's own choice,
+     so an engine serving no tenant behaves exactly like stock vLLM,
   2. non-leased before leased,
   3. lower tier first (larger priority number),
-  4. within a tier: `lru` (oldest activity first) or `least_work` (fewest
-     computed tokens first: cheapest to recompute),
-  5. ties: the later arrival first (vLLM's own LIFO choice).
+  4. within a tier: `least_work` (fewest computed tokens first: cheapest to
+     recompute, the default) or `lru` (oldest activity first, the seed's rule),
+  5. ties: the later admission first (vLLM's own LIFO choice).
+
+Service order is not victim order: `running` is served in `service_key` order
+(class, then admission: FCFS within a class) and the victim is chosen apart.
+
+Leases are bounded reservations (`may_take`, `leases_yield`, `lease_caps_error`):
+a cached block leased by tier T goes only to a request of tier T or a more
+important one, unless the engine would otherwise sit idle; each tier's leased
+blocks stay under its cap, and the caps leave room for one `max_model_len` request.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 UNCLASSIFIED_PRIORITY = 1 << 30  # below every tier
@@ -50,15 +59,103 @@ def protection_rank(classified: bool, leased: bool, tier_priority: int) -> tuple
 def keep_key(c: Candidate, rule: VictimRule) -> tuple:
     """Sort key, ascending = keep first; the last element is the first victim.
 
-    Total: `seq` is unique, so no two candidates compare equal.
+    Total: `seq` is unique, so no two candidates compare equal. Unclassified
+    requests keep vLLM's order (newest first), whatever the rule.
     """
-    within = -c.computed_tokens if rule is VictimRule.LEAST_WORK else -c.last_activity
+    within = within_class_key(rule, c.computed_tokens, c.last_activity) if c.classified else 0.0
     return (*protection_rank(c.classified, c.leased, c.tier_priority), within, c.seq)
+
+
+def within_class_key(rule: VictimRule, computed_tokens: int, last_activity: float) -> float:
+    """Inside one class, larger = preempted first (ties: the later admission first).
+    Plain numbers, so the scheduler can scan `running` without building Candidates."""
+    return -computed_tokens if rule is VictimRule.LEAST_WORK else -last_activity
 
 
 def victim_order(candidates: Iterable[Candidate], rule: VictimRule) -> list[Candidate]:
     """Candidates in the order they should be preempted."""
     return sorted(candidates, key=lambda c: keep_key(c, rule), reverse=True)
+
+
+def first_victim(candidates: Sequence[Candidate], rule: VictimRule) -> int:
+    """Index of the candidate to preempt first. O(n), no allocation beyond the keys."""
+    return max(range(len(candidates)), key=lambda i: keep_key(candidates[i], rule))
+
+
+def service_key(rank: tuple[int, int, int], admitted: int) -> tuple:
+    """A request's place in `running`, which vLLM serves front to back and whose last
+    element its FCFS preemption takes: class, then admission order (FCFS within a
+    class, as vLLM appends). Fixed from admission to preemption or finish."""
+    return (rank, admitted)
+
+
+def admission_victims(
+    head_rank: tuple[int, int, int],
+    need: int,
+    free: int,
+    candidates: Sequence[tuple[Candidate, int]],
+    rule: VictimRule,
+) -> list[int]:
+    """Which running requests to preempt so a waiting request of class `head_rank` fits.
+
+    `need` blocks are wanted (after its prefix-cache hit) and `free` are free to it;
+    each candidate comes with the blocks its preemption would return. Only requests of
+    a strictly lower class may go, in victim order (so the least work is lost), and only
+    as many as close the gap. Returns their indices, or [] when even all of them would
+    not admit it: then nobody is preempted for nothing.
+    """
+    lower = [i for i, (c, _) in enumerate(candidates) if _rank(c) > head_rank]
+    lower.sort(key=lambda i: keep_key(candidates[i][0], rule), reverse=True)
+    chosen: list[int] = []
+    for i in lower:
+        if free >= need:
+            break
+        chosen.append(i)
+        free += candidates[i][1]
+    return chosen if free >= need else []
+
+
+def _rank(c: Candidate) -> tuple[int, int, int]:
+    return protection_rank(c.classified, c.leased, c.tier_priority)
+
+
+# --- leases as bounded reservations -------------------------------------------
+
+
+def may_take(request_priority: int | None, lease_tier_priority: int) -> bool:
+    """May a request (tier priority, None when unclassified) take a cached block that a
+    running lease of a tier with `lease_tier_priority` protects? Only the same or a
+    more important tier may."""
+    return request_priority is not None and request_priority <= lease_tier_priority
+
+
+def leases_yield(other_running: int) -> bool:
+    """Work conservation: with nothing else running, a request may take leased blocks
+    rather than leave the engine idle while it waits."""
+    return other_running == 0
+
+
+def unreserved_blocks(pool_blocks: int, caps: Iterable[int]) -> int:
+    """Blocks no lease can ever hold: what is left of the pool under every cap full."""
+    return pool_blocks - sum(caps)
+
+
+def lease_caps_error(pool_blocks: int, caps: dict[str, int], request_blocks: int) -> str | None:
+    """Why a tier table cannot run on this pool, or None.
+
+    Every request must fit in the blocks no lease may hold, or a lower-tier request as
+    long as the model allows could wait behind full leases for as long as they run.
+    """
+    free = unreserved_blocks(pool_blocks, caps.values())
+    if free >= request_blocks:
+        return None
+    held = ", ".join(f"{tier} {n}" for tier, n in caps.items())
+    return (
+        f"the tier table's leased_cache_cap values reserve {sum(caps.values())} of "
+        f"{pool_blocks} KV blocks ({held}), leaving {free}; one max_model_len request "
+        f"needs {request_blocks}. Lower the caps, lower max_model_len, or give the "
+        f"engine more KV-cache blocks"
+    )
 
 
 # --- preemption mode: recompute or offload ----------------------------------

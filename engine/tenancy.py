@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from engine.policy import leased_cap_blocks, unreserved_blocks
+
 TIERS_ENV = "KVLEASE_TIERS"
 
 _TOP_KEYS = frozenset({"currency", "tiers"})
@@ -107,6 +109,17 @@ class TierTable(Mapping[str, Tier]):
 
     def __len__(self) -> int:
         return len(self.tiers)
+
+    def leased_caps(self, pool_blocks: int) -> dict[str, int]:
+        """Blocks each tier's leases may hold on a pool of `pool_blocks`, for the tiers
+        that lease, least important first (the free queue's segment order)."""
+        leasing = [t for t in reversed(list(self.tiers.values())) if t.lease_seconds > 0]
+        return {t.name: leased_cap_blocks(t.leased_cache_cap, pool_blocks) for t in leasing}
+
+    def max_request_tokens(self, pool_blocks: int, block_size: int) -> int:
+        """The longest request (max_model_len) these caps allow on a pool of `pool_blocks`
+        usable blocks: what no lease can ever hold."""
+        return unreserved_blocks(pool_blocks, self.leased_caps(pool_blocks).values()) * block_size
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> TierTable:

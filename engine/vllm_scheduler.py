@@ -9,20 +9,22 @@ Load it with `scheduler_cls="engine.vllm_scheduler.TenantAwareScheduler"`; where
 vLLM schedules asynchronously that builds `TenantAwareAsyncScheduler`. It overrides
 as little of vLLM as it can and copies none of `schedule()`:
 
-- `running` is kept in keep-first order (`engine.policy.keep_key`), so vLLM's
-  own FCFS preemption, which always takes `running[-1]`, takes the policy's
-  victim. New requests are inserted in order (O(log n) search); under
-  `least_work` the list is re-sorted, in O(n) on an almost sorted list, only
-  in steps where the pool may run short.
-- `waiting` is a `TenantWaitingQueue`: tier order, FIFO within a tier.
+- `running` is served in `engine.policy.service_key` order: class, then admission
+  (FCFS within a class, as vLLM appends). vLLM's FCFS preemption takes
+  `running[-1]`, so it always takes from the lowest class; when an allocation fails,
+  the adapter first moves that class's cheapest victim (`engine.policy.keep_key`)
+  to the end. Service order is never re-sorted for victims.
+- `waiting` is a `TenantWaitingQueue`: tier order, then vLLM's own queue per tier
+  (FCFS, or priority under `--scheduling-policy priority`).
 - Before delegating to `Scheduler.schedule()`, a waiting request of a higher
   class than the worst running one may preempt running lower-class requests
-  when the pool (or the running set) cannot admit it. Those victims sit out
+  for the blocks it lacks after its prefix-cache hit. Those victims sit out
   the step, so they are not re-admitted in it.
-- The block pool's free queue becomes a `TenantFreeBlockQueue`, which evicts
-  leased prefixes only after every unleased block.
-- `_preempt_request`, `_free_request` and `_free_request_blocks` are wrapped
-  to record events, leases and accounting.
+- The block pool's free queue becomes a `TenantFreeBlockQueue`: leased prefixes
+  are evicted last, and while a request allocates, the prefixes leased by more
+  important tiers are reserved from it (unless nothing else runs).
+- `_preempt_request`, `_free_request`, `_free_request_blocks` and the deferred
+  frees are wrapped to record events, leases and accounting.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import bisect
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +43,13 @@ from engine.runtime import require_vllm
 require_vllm()  # a clear error before any vLLM internals are touched
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.request_queue import (  # noqa: E402
+    RequestQueue,
+    SchedulingPolicy,
+    create_request_queue,
+)
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from engine.accounting import TenantAccounting  # noqa: E402
 from engine.channel import Publisher  # noqa: E402
@@ -65,13 +72,16 @@ from engine.leases import LeaseBook  # noqa: E402
 from engine.policy import (  # noqa: E402
     Candidate,
     CostModel,
-    VictimRule,
-    keep_key,
-    leased_cap_blocks,
+    admission_victims,
+    lease_caps_error,
+    leases_yield,
+    may_take,
     preemption_mode,
     protection_rank,
+    service_key,
+    within_class_key,
 )
-from engine.settings import SchedulerSettings  # noqa: E402
+from engine.settings import SchedulerSettings, SettingsError  # noqa: E402
 from engine.waiting_queue import TenantWaitingQueue  # noqa: E402
 
 logger = logging.getLogger("kvlease.scheduler")
@@ -91,56 +101,91 @@ class Tenancy:
     bucket: int  # waiting-queue rank: tier order, unclassified last
     seq: int
     holder: Holder | None
+    reserve_from: int  # the first free-queue segment this request may not take
+    key: tuple = ()  # engine.policy.service_key, set at each admission
     recomputed_tokens: int = 0
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
-    lru_key: tuple | None = None  # keep_key under `lru`: fixed for the request's life
 
     @property
     def session(self) -> Hashable:
         return (self.tenant_id, self.session_id)
 
+    def candidate(self, request: Request) -> Candidate:
+        return Candidate(
+            classified=self.tenant_id is not None,
+            leased=self.rank[1] == 0,
+            tier_priority=self.rank[2],
+            last_activity=request.arrival_time,
+            computed_tokens=request.num_computed_tokens,
+            seq=self.key[1],
+        )
+
 
 class _RunningList(list):
-    """vLLM's `running`, kept so that `running[-1]` is the policy's first victim.
+    """vLLM's `running`, in `engine.policy.service_key` order (class, then admission).
 
-    `append` is vLLM's admission of a waiting request: it inserts in keep-first
-    order (O(log n) search, O(n) memmove) and tells the scheduler.
+    `append` is vLLM's admission of a waiting request: the scheduler gives it its key,
+    and it goes behind every request of its class. That is O(1) when its class is the
+    last one present (always, on an engine with no tenants) and otherwise an
+    O(log n) search plus an O(n) memmove. Keys live on the `Tenancy`, so nothing
+    is allocated per lookup.
     """
 
-    __slots__ = ("_key", "_on_admit")
+    __slots__ = ("_admit", "_key")
 
-    def __init__(self, key, on_admit, items=()) -> None:
+    def __init__(self, admit, key, items=()) -> None:
         super().__init__(items)
+        self._admit = admit
         self._key = key
-        self._on_admit = on_admit
 
     def append(self, request: Request) -> None:
-        bisect.insort(self, request, key=self._key)
-        self._on_admit(request)
+        key = self._admit(request)
+        if not self or key >= self._key(self[-1]):
+            list.append(self, request)
+        else:
+            bisect.insort(self, request, key=self._key)
+
+
+class _DeferredFrees(deque):
+    """vLLM's deferred block frees, `(fence, blocks)` entries; `popleft` tells the
+    scheduler which entry vLLM is about to return to the pool, so its blocks are
+    filed under the session that held them."""
+
+    def __init__(self, on_pop) -> None:
+        super().__init__()
+        self._on_pop = on_pop
+
+    def popleft(self):
+        entry = super().popleft()
+        self._on_pop(entry)
+        return entry
 
 
 class TenantSchedulingMixin:
-    """Tenant-aware preemption, lease-protected prefixes and accounting for a vLLM Scheduler.
+    """Tenant-aware preemption, lease reservations and accounting for a vLLM Scheduler.
 
     State and its invariants (checked by the synthetic and real-engine tests; with
     `debug_accounting` the block books are checked every step):
     - `_tenancy`: request id -> `Tenancy`, for exactly the requests vLLM holds (waiting,
-      running or preempted); added in `add_request`, removed in `_free_request`. O(1) per
+      running or preempted); added in `add_request` (or on first sight, for a request
+      vLLM's own code puts in `running` directly), removed in `_free_request`. O(1) per
       lookup; memory O(requests).
     - `_holders`: (tenant, session) -> `Holder`, the owner of that session's cached blocks in
       the free queue. A holder exists while it has a request in flight, a running lease, or
       cached blocks (`_forget_if_idle` drops it otherwise), so memory is O(live sessions +
       sessions with cached blocks), never O(sessions ever seen).
-    - `running`: a `_RunningList` in keep-first order (`engine.policy.keep_key`), so
-      `running[-1]` is always the policy's first victim. Admission is an O(log n) search
-      plus an O(n) memmove; under `lru` each request's key is computed once.
-    - `waiting`: a `TenantWaitingQueue` (tier order, FIFO within a tier): add and prepend
-      O(1), peek and pop O(tiers), remove O(its tier's bucket).
+    - `running`: a `_RunningList` in service order (class, then admission). Admission is
+      O(1) when the request joins the last class present, else O(log n) + memmove. The
+      victim is chosen only when vLLM's allocation fails: O(requests of the lowest class).
+    - `waiting`: a `TenantWaitingQueue` (tier order, then vLLM's queue per tier): add and
+      prepend O(1) (FCFS) or O(log n) (priority), peek and pop O(tiers) more.
+    - `_deferred_owner`: id(blocks list) -> Holder for each deferred free vLLM still holds;
+      emptied as vLLM drains them.
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`).
-    Per step the mixin adds O(1) work plus, only when the pool may run short, the
-    admission check over the tail of `running`; sampling walks held blocks every
-    `sample_seconds`, off the per-step path.
+    Per step the mixin adds O(1) work plus one wrapper call per allocation; the admission
+    check looks past `running[-1]` only when a lower class runs than the waiting head;
+    sampling walks held blocks every `sample_seconds`, off the per-step path.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -156,22 +201,42 @@ class TenantSchedulingMixin:
         self._tenancy: dict[str, Tenancy] = {}
         self._holders: dict[Hashable, Holder] = {}
         self._seq = itertools.count()
+        self._admissions = itertools.count()
         self._preempt_reason = "kv_pressure"
         self._last_sample = float("-inf")
         self._bucket = {name: i for i, name in enumerate(tiers)}  # tiers are in priority order
 
-        # Victims come from our ordering of `running`, through vLLM's FCFS path.
-        self.policy = SchedulingPolicy.FCFS
-        self.waiting = TenantWaitingQueue(self._bucket_of, len(tiers) + 1)
-        self.running = []
+        # vLLM's policy stays: each tier's waiting requests are in its order, and under
+        # PRIORITY vLLM picks its own victims by (priority, arrival) as stock does.
+        self.waiting = TenantWaitingQueue(
+            self._bucket_of, len(tiers) + 1, lambda: create_request_queue(self.policy)
+        )
+        self.running = _RunningList(self._admitted, self._service_key)
 
         pool = self.kv_cache_manager.block_pool
         self._pool = pool
-        leased = [t for t in reversed(list(tiers.values())) if t.lease_seconds > 0]
-        self._lease_segment = {t.name: FIRST_LEASED + i for i, t in enumerate(leased)}
         usable = pool.num_gpu_blocks - 1  # vLLM's null block is never handed out
-        self._caps = [leased_cap_blocks(t.leased_cache_cap, usable) for t in leased]
+        caps = tiers.leased_caps(usable)  # least important leasing tier first
+        self._lease_segment = {name: FIRST_LEASED + i for i, name in enumerate(caps)}
+        self._caps = list(caps.values())
+        self._reserve_from = {  # a tier's requests may take the leases up to this segment
+            tier.name: FIRST_LEASED
+            + sum(1 for name in caps if may_take(tier.priority, tiers[name].priority))
+            for tier in tiers.values()
+        }
+        self._check_lease_caps(list(caps), usable)
         self._free_queue = self._install_free_queue()
+        self._allocate = self.kv_cache_manager.allocate_slots  # vLLM's, bound
+        # Blocks one step can take beyond one per running request: its token budget, the
+        # watermark and one whole request's prefix-cache hit.
+        self._step_blocks = (
+            -(-self.max_num_scheduled_tokens // self.block_size)
+            + self.kv_cache_manager.watermark_blocks
+            + -(-self.max_model_len // self.block_size)
+        )
+        self._deferred_owner: dict[int, Holder | None] = {}  # id(blocks) -> their session
+        self._delayed: dict[str, Holder | None] = {}  # finished, blocks kept for a connector
+        self.deferred_frees = _DeferredFrees(self._deferred_popped)
         self._cost = _cost_model(self.vllm_config, self.settings)
         self._publisher = Publisher.from_env()
         self._unsent: list[Message] = []
@@ -186,6 +251,30 @@ class TenantSchedulingMixin:
         if self._publisher is not None:
             self._publish(with_state=True)  # so /admin/state answers before the first step
 
+    def _check_lease_caps(self, leased_tiers: list[str], usable: int) -> None:
+        """Refuse caps that leave less than one `max_model_len` request unreserved.
+
+        vLLM's engine refuses to start unless the pool holds one `max_model_len` request;
+        kvlease asks the same of the blocks no lease can hold. A scheduler built by hand on
+        a pool smaller than one request (vLLM's unit tests do) cannot keep that bound with
+        any lease at all: there leases reserve nothing, and the log says so.
+        """
+        request_blocks = -(-self.max_model_len // self.block_size)
+        if request_blocks > usable:
+            if any(self._caps):
+                logger.warning(
+                    "kvlease: %d KV blocks hold less than one max_model_len request (%d "
+                    "blocks); leases reserve nothing on this pool",
+                    usable,
+                    request_blocks,
+                )
+            self._caps = [0] * len(self._caps)
+            return
+        caps = dict(zip(leased_tiers, self._caps, strict=True))
+        error = lease_caps_error(usable, caps, request_blocks)
+        if error is not None:
+            raise SettingsError(error)
+
     def _install_free_queue(self) -> TenantFreeBlockQueue:
         """Replace the pool's free queue with a tenant queue holding the same blocks, in order."""
         pool = self._pool
@@ -195,42 +284,22 @@ class TenantSchedulingMixin:
 
     # -- the running list ----------------------------------------------------
 
-    @property
-    def running(self) -> _RunningList:
-        return self._kvl_running
+    def _keep_running_list(self) -> None:
+        """vLLM replaces `running` with a plain list when it filters out finished requests
+        (in `update_from_output` and `finish_requests`); wrap it again, order intact.
+        A plain attribute, not a property: vLLM reads `running` thousands of times a step."""
+        if type(self.running) is not _RunningList:
+            self.running = _RunningList(self._admitted, self._service_key, self.running)
 
-    @running.setter
-    def running(self, value: list[Request]) -> None:
-        # vLLM reassigns `running` after filtering finished requests; order survives.
-        if not isinstance(value, _RunningList):
-            value = _RunningList(self._keep_key, self._admitted, value)
-        self._kvl_running = value
+    def _service_key(self, request: Request) -> tuple:
+        return self._tenancy_of(request).key
 
-    def _keep_key(self, request: Request) -> tuple:
-        """The request's place in `running`. Under `lru` every part of it is fixed while the
-        request lives (its class, arrival, seq), so it is computed once: admission is a
-        binary search over cached keys."""
-        t = self._tenancy[request.request_id]
-        lru = self.settings.victim_rule is VictimRule.LRU
-        if lru and t.lru_key is not None:
-            return t.lru_key
-        key = keep_key(
-            Candidate(
-                classified=t.tenant_id is not None,
-                leased=t.rank[1] == 0,
-                tier_priority=t.rank[2],
-                last_activity=request.arrival_time,
-                computed_tokens=request.num_computed_tokens,
-                seq=t.seq,
-            ),
-            self.settings.victim_rule,
-        )
-        if lru:
-            t.lru_key = key
-        return key
-
-    def _admitted(self, request: Request) -> None:
-        self._restore_offloaded(self._tenancy[request.request_id])
+    def _admitted(self, request: Request) -> tuple:
+        """vLLM admits `request` into `running`: give it its place (behind its class)."""
+        t = self._tenancy_of(request)
+        self._restore_offloaded(t)
+        t.key = service_key(t.rank, next(self._admissions))
+        return t.key
 
     def _restore_offloaded(self, t: Tenancy) -> None:
         """An offloaded request is running again (or gone): its blocks are no longer off-device."""
@@ -239,7 +308,13 @@ class TenantSchedulingMixin:
             t.offloaded_blocks = 0
 
     def _bucket_of(self, request: Request) -> int:
-        return self._tenancy[request.request_id].bucket
+        return self._tenancy_of(request).bucket
+
+    def _tenancy_of(self, request: Request) -> Tenancy:
+        t = self._tenancy.get(request.request_id)
+        if t is None:  # vLLM's own code (or a test) put it in a queue without add_request
+            t = self._tenancy[request.request_id] = self._classify(request)
+        return t
 
     # -- requests in -----------------------------------------------------------
 
@@ -263,7 +338,7 @@ class TenantSchedulingMixin:
                     {k: args.get(k) for k in ("tenant_id", "tier", "session_id")},
                 )
             rank = protection_rank(False, False, 0)
-            return Tenancy(None, None, None, rank, len(tiers), next(self._seq), None)
+            return Tenancy(None, None, None, rank, len(tiers), next(self._seq), None, FIRST_LEASED)
         session_id = session_id if isinstance(session_id, str) else None
         tier = tiers[tier_name]
         self._tenant_tiers[self._label(tenant_id)] = tier.name
@@ -276,6 +351,7 @@ class TenantSchedulingMixin:
             self._bucket[tier.name],
             next(self._seq),
             None,
+            self._reserve_from[tier.name],
         )
         holder = self._holders.get(tenancy.session)
         if holder is None:
@@ -298,8 +374,8 @@ class TenantSchedulingMixin:
             # holdings now are what the idle engine held, not what this step will take.
             self.sample_accounting()
         self._expire_leases()
-        if self.settings.victim_rule is VictimRule.LEAST_WORK and self._pool_may_run_short():
-            self.running.sort(key=self._keep_key)
+        self._keep_running_list()
+        self._choose_allocator()
         held = self._make_room_for_waiting()
         try:
             output = super().schedule(*args, **kwargs)
@@ -311,6 +387,7 @@ class TenantSchedulingMixin:
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         outputs = super().update_from_output(*args, **kwargs)
+        self._keep_running_list()
         # Sample on the clock, and whenever the engine goes idle: no step follows
         # to report the final picture.
         sample_due = (
@@ -326,6 +403,7 @@ class TenantSchedulingMixin:
     def finish_requests(self, *args: Any, **kwargs: Any):
         """Aborts arrive here, between steps; report them even if no step follows."""
         finished = super().finish_requests(*args, **kwargs)
+        self._keep_running_list()
         if self._publisher is not None and finished:
             self._publish(with_state=not self.has_requests(), fresh=True)
         return finished
@@ -349,54 +427,132 @@ class TenantSchedulingMixin:
             overflow -= len(pending.pop(0).events)
         self._unsent = pending
 
-    def _pool_may_run_short(self) -> bool:
-        """True unless this step cannot possibly need a preemption."""
-        worst_case = (
-            len(self.running)
-            + -(-self.max_num_scheduled_tokens // self.block_size)
-            + self.kv_cache_manager.watermark_blocks
-        )
-        return self._pool.get_num_free_blocks() < worst_case
+    # -- allocation: lease reservations and the victim -------------------------
+
+    def _choose_allocator(self) -> None:
+        """Use kvlease's allocation wrapper only in steps where it can matter: where this
+        step could run out of blocks no lease holds (so a reservation or a victim choice
+        could come into play). Otherwise vLLM allocates exactly as stock, at stock cost."""
+        worst = len(self.running) + self._step_blocks
+        tight = self._free_queue.free_unleased < worst
+        self.kv_cache_manager.allocate_slots = self._allocate_slots if tight else self._allocate
+
+    def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
+        """vLLM's `allocate_slots`, with the leases of more important tiers reserved from
+        `request` (unless nothing else runs), and, when a running request gets no blocks,
+        the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
+        queue = self._free_queue
+        running = request.status is RequestStatus.RUNNING
+        if queue.leased_blocks and not leases_yield(len(self.running) - running):
+            queue.reserve_from = self._tenancy_of(request).reserve_from
+            try:
+                blocks = self._allocate(request, *args, **kwargs)
+            finally:
+                queue.reserve_from = queue.no_reserve
+        else:  # nothing is reserved: vLLM's call as it is (the common, cheap case)
+            blocks = self._allocate(request, *args, **kwargs)
+        if blocks is None and running and self.policy == SchedulingPolicy.FCFS:
+            self._place_victim(request)
+        return blocks
+
+    def _place_victim(self, request: Request) -> None:
+        """Among the requests of the lowest class that vLLM has not yet served this step
+        (`request` and those behind it), move the cheapest to lose to the end.
+
+        Unclassified requests keep vLLM's own victim (the newest), so an engine that serves
+        no tenant preempts exactly as stock vLLM does. O(requests of that class).
+        """
+        running = self.running
+        last = self._tenancy_of(running[-1])
+        if last.tenant_id is None:
+            return
+        rule = self.settings.victim_rule
+        best, best_key = -1, None
+        for i in range(len(running) - 1, -1, -1):
+            candidate = running[i]
+            t = self._tenancy_of(candidate)
+            if t.key[0] != last.key[0]:
+                break
+            if self._request_blocks_can_be_freed(candidate):
+                key = within_class_key(rule, candidate.num_computed_tokens, candidate.arrival_time)
+                if best_key is None or key > best_key:
+                    best, best_key = i, key
+            if candidate is request:
+                break
+        if best >= 0:
+            list.append(running, running.pop(best))
 
     def _make_room_for_waiting(self) -> list[Request]:
         """Preempt running requests of a lower class than the waiting head, if that admits it.
 
-        Stock vLLM never preempts to admit a waiting request (vLLM issue #40004).
+        Stock vLLM never preempts to admit a waiting request (vLLM issue #40004). Only the
+        blocks the head lacks after its prefix-cache hit are reclaimed, from the lowest
+        classes first and the least work first within one (`engine.policy.admission_victims`).
         Returns the victims, which are kept out of the waiting queue for this step.
         """
         if not self.waiting or not self.running:
             return []
         head = self.waiting.peek_request()
-        head_rank = self._tenancy[head.request_id].rank
-        tokens = min(head.num_tokens, self.max_num_scheduled_tokens) + self.num_lookahead_tokens
-        need = -(-tokens // self.block_size) + self.kv_cache_manager.watermark_blocks
-        free = self._pool.get_num_free_blocks()
+        head_t = self._tenancy_of(head)
+        if self._tenancy_of(self.running[-1]).rank <= head_t.rank:
+            return []  # `running` is in class order: nobody below the head runs
         slot_short = len(self.running) >= self.max_num_active_reqs
+        need, free = self._admission_gap(head, head_t)
         if free >= need and not slot_short:
             return []
-        victims: list[Request] = []
-        reclaim = 0
+        lower: list[Request] = []
         for request in reversed(self.running):
-            if self._tenancy[request.request_id].rank <= head_rank:
+            t = self._tenancy_of(request)
+            if t.rank <= head_t.rank:
                 break
-            if not self._request_blocks_can_be_freed(request):
-                break
-            victims.append(request)
-            reclaim += self._num_blocks(request)
-            if free + reclaim >= need:
-                break
-        if not victims or free + reclaim < need:
+            if self._request_blocks_can_be_freed(request):
+                lower.append(request)
+        candidates = [(self._tenancy_of(r).candidate(r), self._reclaimable(r)) for r in lower]
+        rule = self.settings.victim_rule
+        chosen = admission_victims(head_t.rank, need, free, candidates, rule)
+        if slot_short and not chosen and free >= need and candidates:
+            chosen = admission_victims(head_t.rank, 1, 0, [(c, 1) for c, _ in candidates], rule)
+        if not chosen:
             return []  # preempting could not admit the head: leave everyone running
+        victims = [lower[i] for i in chosen]
         now = time.monotonic()
         self._preempt_reason = "admit_higher_tier"
         try:
             for victim in victims:
-                assert self.running.pop() is victim
+                self.running.remove(victim)
                 self._preempt_request(victim, now, drop_stale_output=self.requires_kv_delivery)
                 self.waiting.remove_request(victim)
         finally:
             self._preempt_reason = "kv_pressure"
         return victims
+
+    def _admission_gap(self, head: Request, t: Tenancy) -> tuple[int, int]:
+        """(blocks the waiting head needs to be admitted, free blocks it may take).
+
+        The whole request is tried first; the hit (a lookup over the head's block hashes,
+        no side effects) only when that does not fit. A hit block still in the free queue
+        takes a free slot like a new one; a hit block another request holds does not.
+        """
+        queue = self._free_queue
+        queue.reserve_from = t.reserve_from
+        try:
+            free = self._pool.get_num_free_blocks()
+        finally:
+            queue.reserve_from = queue.no_reserve
+        watermark = self.kv_cache_manager.watermark_blocks
+        whole = -(-(head.num_tokens + self.num_lookahead_tokens) // self.block_size) + watermark
+        if free >= whole:  # even the whole request fits: no need to look up its hit
+            return whole, free
+        hit_blocks, hit_tokens, _ = self.kv_cache_manager.get_computed_blocks(head)
+        chunk = min(head.num_tokens - hit_tokens, self.max_num_scheduled_tokens)
+        chunk += self.num_lookahead_tokens
+        held = sum(1 for group in hit_blocks.blocks for b in group if b.ref_cnt > 0)
+        need = -(-(hit_tokens + chunk) // self.block_size) - held + watermark
+        return need, free
+
+    def _reclaimable(self, request: Request) -> int:
+        """Blocks that preempting `request` returns to the pool: those nobody else holds."""
+        return sum(1 for b in self._blocks(request.request_id) if b.ref_cnt == 1)
 
     # -- preemption, finish and free hooks -------------------------------------
 
@@ -430,10 +586,37 @@ class TenantSchedulingMixin:
         )
 
     def _free_request_blocks(self, request: Request) -> None:
+        """File the blocks under their session, now or, when vLLM defers the free past an
+        in-flight step, when it drains them (`_deferred_popped`)."""
         t = self._tenancy.get(request.request_id)
-        self._free_queue.owner = t.holder if t is not None else None
+        holder = t.holder if t is not None else self._delayed.pop(request.request_id, None)
+        if holder is not None and holder.leased and holder.in_flight <= 1:
+            self._free_queue.demote(holder)  # what its latest request did not reuse is stale
+        deferred = len(self.deferred_frees)
+        self._free_queue.owner = holder
         try:
             super()._free_request_blocks(request)
+        finally:
+            self._free_queue.owner = None
+        if len(self.deferred_frees) > deferred:
+            self._deferred_owner[id(self.deferred_frees[-1][1])] = holder
+            if holder is not None:
+                holder.deferred += 1
+        if holder is not None and t is None:
+            holder.deferred -= 1  # the delayed free of a finished request is done
+            self._forget_if_idle((holder.tenant_id, holder.session_id), holder)
+
+    def _deferred_popped(self, entry: tuple[int, list]) -> None:
+        """vLLM returns one deferred entry's blocks to the pool next: file them under
+        their session (None for vLLM's own copy-on-write retentions)."""
+        holder = self._deferred_owner.pop(id(entry[1]), None)
+        self._free_queue.owner = holder
+        if holder is not None:
+            holder.deferred -= 1
+
+    def _drain_deferred_frees(self) -> None:
+        try:
+            super()._drain_deferred_frees()
         finally:
             self._free_queue.owner = None
 
@@ -444,6 +627,10 @@ class TenantSchedulingMixin:
         result = super()._free_request(request, delay_free_blocks=delay_free_blocks)
         if t is None:
             return result
+        if request.request_id in self.requests:  # a connector still reads its blocks
+            self._delayed[request.request_id] = t.holder
+            if t.holder is not None:
+                t.holder.deferred += 1
         self._restore_offloaded(t)
         del self._tenancy[request.request_id]
         now = self.clock()
@@ -513,7 +700,8 @@ class TenantSchedulingMixin:
         )
 
     def _forget_if_idle(self, session: Hashable, holder: Holder) -> None:
-        if not (holder.in_flight or holder.protected or holder.cached or holder.leased):
+        busy = holder.in_flight or holder.protected or holder.deferred
+        if not (busy or holder.cached or holder.leased):
             self._holders.pop(session, None)
 
     def _report_evictions(self) -> None:
@@ -574,6 +762,20 @@ class TenantSchedulingMixin:
                 request_blocks[request_id] = held_by_request
                 held = tenants.setdefault(self._label(t.tenant_id), TenantHolding())
                 held.running += first_seen
+        # Blocks vLLM has not returned yet (a connector still reads them, or a step in
+        # flight may still write them) are held: by their session's tenant.
+        pending = [(h, get_blocks(r)) for r, h in self._delayed.items()]
+        pending += [(self._deferred_owner.get(id(b)), (b,)) for _, b in self.deferred_frees]
+        for holder, groups in pending:
+            first_seen = 0
+            for group in groups:
+                for block in group:
+                    if not block.is_null and block.block_id not in seen:
+                        seen.add(block.block_id)
+                        first_seen += 1
+            if first_seen:
+                tenant = holder.tenant_id if holder is not None else None
+                tenants.setdefault(self._label(tenant), TenantHolding()).running += first_seen
         for holder in self._holders.values():
             if holder.cached or holder.leased:
                 held = tenants.setdefault(self._label(holder.tenant_id), TenantHolding())

@@ -38,6 +38,7 @@ from pathlib import Path
 from engine.auth import KEYS_ENV
 from engine.labels import HASH_ENV as HASH_LABELS_ENV
 from engine.labels import MAX_ENV as MAX_LABELS_ENV
+from engine.policy import lease_caps_error
 from engine.runtime import (
     DependencyError,
     VllmVersionError,
@@ -45,7 +46,7 @@ from engine.runtime import (
     prepare_environment,
     require_vllm,
 )
-from engine.tenancy import TIERS_ENV, TierConfigError
+from engine.tenancy import TIERS_ENV, TierConfigError, TierTable
 from exporters.tracing import ENABLE_ENV as OTEL_ENV
 from server.middleware import METRICS_AUTH_ENV, ConfigError, ServerConfig, error_body
 
@@ -101,21 +102,31 @@ def vllm_argv(args: argparse.Namespace, rest: list[str], model: str, demo: bool)
         if not _has("--block-size", rest):
             argv += ["--block-size", "32"]
         if not _has("--max-model-len", rest):
-            fits = 2048 if args.num_blocks is None else (args.num_blocks - 1) * 32
+            fits = 2048
+            if args.num_blocks is not None:  # what the lease caps leave (one null block)
+                fits = TierTable.load().max_request_tokens(args.num_blocks - 1, 32)
             argv += ["--max-model-len", str(min(2048, fits))]
     return argv
 
 
 def check_pool(vllm_args: argparse.Namespace) -> None:
-    """vLLM keeps one block back, so a request of max_model_len needs blocks - 1."""
+    """vLLM keeps one block back, so a request of max_model_len needs blocks - 1, and the
+    tier table's lease caps must leave it unreserved (the scheduler checks the same when
+    vLLM sizes the pool itself; here the error comes before the engine starts)."""
     blocks = vllm_args.num_gpu_blocks_override
     block, max_len = vllm_args.block_size, vllm_args.max_model_len
-    if blocks is not None and block and max_len and max_len > (blocks - 1) * block:
+    if blocks is None or not block or not max_len:
+        return
+    if max_len > (blocks - 1) * block:
         raise ConfigError(
             f"--num-blocks {blocks} of {block} tokens holds at most {(blocks - 1) * block} "
             f"tokens per request (one block is vLLM's null block); lower --max-model-len "
             f"({max_len}) or raise --num-blocks"
         )
+    caps = TierTable.load().leased_caps(blocks - 1)
+    error = lease_caps_error(blocks - 1, caps, -(-max_len // block))
+    if error is not None:
+        raise ConfigError(f"--num-blocks {blocks}, --max-model-len {max_len}: {error}")
 
 
 def run_serve(argv: Sequence[str]) -> int:

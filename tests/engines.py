@@ -14,9 +14,12 @@ from typing import Any
 from clocks import OffsetClock
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from engine.tenancy import TierTable
+
 POOL_BLOCKS = 24  # 23 usable: vLLM keeps one null block
 BLOCK_SIZE = 32
-MAX_MODEL_LEN = (POOL_BLOCKS - 1) * BLOCK_SIZE
+# The longest request the shipped lease caps leave room for (kvlease refuses more).
+MAX_MODEL_LEN = TierTable.shipped().max_request_tokens(POOL_BLOCKS - 1, BLOCK_SIZE)
 
 
 class RecordingScheduler(Scheduler):

@@ -154,3 +154,80 @@ def test_replacing_keeps_vllms_order():
     ours = TenantFreeBlockQueue.replacing(stock, N, leased_caps=[3])  # relinks the same blocks
     assert _ids(ours) == before
     ours.check()
+
+
+def _leased_queue(caps=(4, 6)):
+    """A queue whose blocks 0..N-1 are free; `standard` leases segment FIRST_LEASED and
+    `premium` FIRST_LEASED + 1 (least important first)."""
+    blocks = _blocks(hashed=range(N))
+    queue = TenantFreeBlockQueue(blocks, N, leased_caps=list(caps))
+    holders = {
+        "standard": Holder("s", "standard", "s1", FIRST_LEASED, protected=True),
+        "premium": Holder("p", "premium", "p1", FIRST_LEASED + 1, protected=True),
+    }
+    return blocks, queue, holders
+
+
+def _free_as(queue, blocks, holder, ids):
+    queue.owner = holder
+    queue.append_n([blocks[i] for i in ids])
+    queue.owner = None
+
+
+def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
+    blocks, queue, holders = _leased_queue()
+    queue.popleft_n(N)
+    _free_as(queue, blocks, None, [0, 1])
+    _free_as(queue, blocks, holders["standard"], [2, 3, 4])
+    _free_as(queue, blocks, holders["premium"], [5, 6, 7, 8])
+    assert queue.num_free_blocks == 9
+    queue.reserve_from = FIRST_LEASED  # a free-tier request: may take neither lease
+    assert queue.num_free_blocks == 2
+    assert [queue.popleft().block_id for _ in range(2)] == [0, 1]
+    try:
+        queue.popleft()
+        raise AssertionError("popped a reserved block")
+    except ValueError:
+        pass
+    queue.reserve_from = FIRST_LEASED + 1  # a standard request: its own tier's leases too
+    assert queue.num_free_blocks == 3
+    queue.reserve_from = queue.no_reserve
+    assert queue.num_free_blocks == 7
+    queue.check()
+
+
+lease_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["take", "free_plain", "free_standard", "free_premium", "expire"]),
+        st.integers(0, 10_000),
+        st.integers(1, 6),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=lease_ops, caps=st.tuples(st.integers(0, 8), st.integers(0, 8)))
+def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, caps):
+    blocks, queue, holders = _leased_queue(caps)
+    held: list[int] = [b.block_id for b in queue.popleft_n(N)]
+    for op, pick, k in ops:
+        if op == "take":
+            queue.reserve_from = FIRST_LEASED + pick % 3
+            k = min(k, queue.num_free_blocks)
+            held += [b.block_id for b in queue.popleft_n(k)]
+            queue.reserve_from = queue.no_reserve
+        elif op.startswith("free") and held:
+            ids = [held.pop(pick % len(held)) for _ in range(min(k, len(held)))]
+            _free_as(queue, blocks, holders.get(op.removeprefix("free_")), ids)
+        elif op == "expire":
+            queue.release(holders["standard" if pick % 2 else "premium"])
+            holders["standard" if pick % 2 else "premium"].protected = True
+        queue.check()  # includes: each LEASED segment within its cap
+        reserved = queue.segment_sizes()[FIRST_LEASED:]
+        assert all(n <= cap for n, cap in zip(reserved, caps, strict=True))
+        # Whatever the leases hold, a request of the least class may take the rest.
+        total = queue.num_free_blocks
+        queue.reserve_from = FIRST_LEASED
+        assert queue.num_free_blocks >= total - sum(caps)
+        queue.reserve_from = queue.no_reserve

@@ -9,10 +9,18 @@ from engine.policy import (
     CostModel,
     EvictionClass,
     VictimRule,
+    admission_victims,
     eviction_class,
+    first_victim,
     keep_key,
+    lease_caps_error,
     leased_cap_blocks,
+    leases_yield,
+    may_take,
     preemption_mode,
+    protection_rank,
+    service_key,
+    unreserved_blocks,
     victim_order,
 )
 
@@ -64,7 +72,9 @@ def test_victims_come_unclassified_then_unleased_then_lower_tier_first(cs, rule)
     for a, b in itertools.pairwise(order):
         assert _class(a) <= _class(b)
         if _class(a) == _class(b):
-            if rule is VictimRule.LRU:
+            if not a.classified:  # vLLM's own order: the newest admission first
+                assert a.seq > b.seq
+            elif rule is VictimRule.LRU:
                 assert a.last_activity <= b.last_activity
             else:
                 assert a.computed_tokens <= b.computed_tokens
@@ -154,3 +164,91 @@ def test_leased_cap_is_a_fraction_of_the_pool_rounded_down():
     assert leased_cap_blocks(0.5, 23) == 11
     assert leased_cap_blocks(0.0, 23) == 0
     assert leased_cap_blocks(1.0, 23) == 23
+
+
+@given(cs=candidates, rule=rules)
+def test_first_victim_is_the_head_of_the_victim_order(cs, rule):
+    if cs:
+        assert cs[first_victim(cs, rule)] == victim_order(cs, rule)[0]
+
+
+@given(cs=candidates, rule=rules)
+def test_an_unclassified_victim_is_the_newest_admission_whatever_the_rule(cs, rule):
+    unclassified = [c for c in cs if not c.classified]
+    if unclassified:
+        assert first_victim(unclassified, rule) == max(
+            range(len(unclassified)), key=lambda i: unclassified[i].seq
+        )
+
+
+@given(
+    ranks=st.lists(st.sampled_from([(0, 0, 0), (0, 0, 1), (0, 1, 2), (1, 1, 1 << 30)]), max_size=20)
+)
+def test_service_order_is_fcfs_within_a_class_and_classes_in_protection_order(ranks):
+    keys = sorted(service_key(rank, admitted) for admitted, rank in enumerate(ranks))
+    for a, b in itertools.pairwise(keys):
+        assert a[0] <= b[0]
+        if a[0] == b[0]:
+            assert a[1] < b[1]
+
+
+sized = st.tuples(candidates, st.lists(st.integers(0, 20), min_size=30, max_size=30))
+
+
+@given(
+    data=sized,
+    head=st.sampled_from([(0, 0, 0), (0, 0, 1), (0, 1, 2)]),
+    need=st.integers(0, 60),
+    free=st.integers(0, 60),
+    rule=rules,
+)
+def test_admission_preempts_only_lower_classes_least_first_and_only_what_closes_the_gap(
+    data, head, need, free, rule
+):
+    cs, blocks = data
+    pairs = list(zip(cs, blocks, strict=False))
+    chosen = admission_victims(head, need, free, pairs, rule)
+    if not chosen:
+        lower = sum(b for c, b in pairs if _rank(c) > head)
+        assert free >= need or free + lower < need
+        return
+    assert free < need
+    victims = [pairs[i][0] for i in chosen]
+    assert all(_rank(c) > head for c in victims)
+    assert free + sum(pairs[i][1] for i in chosen) >= need
+    assert free + sum(pairs[i][1] for i in chosen[:-1]) < need  # not one victim too many
+    order = victim_order([c for c, _ in pairs if _rank(c) > head], rule)
+    assert victims == order[: len(victims)]  # the cheapest of the lowest class first
+
+
+def _rank(c: Candidate) -> tuple[int, int, int]:
+    return protection_rank(c.classified, c.leased, c.tier_priority)
+
+
+def test_a_lease_yields_only_to_its_tier_or_a_more_important_one():
+    premium, standard, free = 0, 1, 2
+    assert may_take(premium, standard) and may_take(standard, standard)
+    assert not may_take(free, standard) and not may_take(None, free)
+
+
+def test_leases_yield_when_nothing_else_would_run():
+    assert leases_yield(0) and not leases_yield(1)
+
+
+def test_caps_that_leave_less_than_one_request_are_refused_with_the_numbers():
+    assert lease_caps_error(63, {"standard": 9, "premium": 18}, 36) is None
+    error = lease_caps_error(63, {"standard": 15, "premium": 31}, 36)
+    assert error is not None and "reserve 46 of 63" in error and "needs 36" in error
+
+
+@given(
+    pool=st.integers(1, 200),
+    fractions=st.lists(st.floats(0, 1), min_size=1, max_size=3),
+    request=st.integers(1, 200),
+)
+def test_caps_are_accepted_exactly_when_one_request_fits_the_unreserved_pool(
+    pool, fractions, request
+):
+    caps = {f"t{i}": leased_cap_blocks(f, pool) for i, f in enumerate(fractions)}
+    ok = lease_caps_error(pool, caps, request) is None
+    assert ok == (unreserved_blocks(pool, caps.values()) >= request)

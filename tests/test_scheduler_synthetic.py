@@ -5,6 +5,8 @@ Real vLLM scheduling code, no model: every invariant is checked at every step.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from clocks import ManualClock, OffsetClock
 from engines import recording
@@ -51,12 +53,14 @@ def test_pressure_trace_completes_with_balanced_books_and_no_premium_preempted_e
 
 
 @pytest.mark.parametrize("cls", CLASSES)
-def test_running_stays_in_keep_first_order_every_step(cls, demo_model):
+def test_running_is_served_by_class_then_admission_every_step(cls, demo_model):
     scheduler = _scheduler(cls, demo_model)
 
     def ordered(s):
-        keys = [s._keep_key(r) for r in s.running]
+        keys = [s._service_key(r) for r in s.running]
         assert keys == sorted(keys)
+        ranks = [key[0] for key in keys]
+        assert ranks == sorted(ranks)  # premium, standard, free, then unclassified
 
     for i in range(10):
         scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 30 + 7 * i, 120))
@@ -203,3 +207,72 @@ def test_engine_side_tenant_keys_stay_bounded_under_a_tenant_flood(demo_model, m
         assert len(keys) <= 21  # 20 tenants of their own, the rest as __other__
     assert "__other__" in state.lease_summary
     assert sum(x.active for x in state.lease_summary.values()) == state.leases_total
+
+
+def _finish_turn(scheduler, request) -> None:
+    scheduler.add_request(request)
+    _run(scheduler)
+
+
+def _conversation(turn_tokens: int, seed: int) -> list[int]:
+    return [(seed * 97 + i) % 600 + 10 for i in range(turn_tokens)]
+
+
+def test_a_lower_tier_never_takes_a_running_lease_while_it_can_preempt_its_own(demo_model):
+    """Pool 23 blocks; the shipped caps let premium leases hold 6. A premium session's
+    5-block prefix stays while three free requests outgrow the 18 blocks left: they
+    preempt each other instead, and the premium's next turn finds its whole prefix."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    chat = _conversation(180, seed=1)
+    _finish_turn(scheduler, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
+    holder = scheduler._holders[("pam", "c")]
+    assert holder.leased == 5  # 180 prompt tokens: five full blocks of 32
+    for i in range(3):
+        scheduler.add_request(make_request(f"f{i}", "free", 100, 200, session=f"f{i}"))
+    _run(scheduler, each_step=lambda s: _assert_leased(s, holder, 5))
+    assert any(p[0] == "free" for p in scheduler.preemptions), "the churn must run short"
+    assert holder.evicted_leased == 0
+    turn2 = make_request("pam", "premium", 0, 2, session="c", prompt=chat + [5] * 20)
+    scheduler.add_request(turn2)
+    _, hit, _ = scheduler.kv_cache_manager.get_computed_blocks(turn2)
+    assert hit == 160
+    _run(scheduler)
+
+
+def _assert_leased(scheduler, holder, blocks) -> None:
+    assert holder.leased == blocks
+
+
+def test_a_free_request_as_long_as_the_unreserved_pool_completes_beside_full_leases(
+    demo_model,
+):
+    """Both leasing tiers at their caps (premium 6, standard 3 of 23 blocks): a free
+    request of max_model_len (14 blocks) plus others still runs to the end."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    max_len = scheduler.max_model_len
+    assert max_len == 14 * 32
+    for i, (tier, tokens) in enumerate([("premium", 200), ("premium", 64), ("standard", 100)]):
+        prompt = _conversation(tokens, seed=10 + i)
+        _finish_turn(scheduler, make_request(f"l{i}", tier, 0, 1, session="s", prompt=prompt))
+    leased = scheduler._free_queue.segment_sizes()[2:]
+    assert leased == [3, 6]  # standard at its cap, premium at its cap
+    long_free = make_request("big", "free", max_len - 40, 40)
+    scheduler.add_request(long_free)
+    for i in range(3):
+        scheduler.add_request(make_request(f"f{i}", "free", 60, 120))
+    _run(scheduler)
+    assert long_free.is_finished() and len(long_free.output_token_ids) == 40
+    assert scheduler._free_queue.segment_sizes()[2:] == [3, 6]
+
+
+def test_a_tier_table_whose_caps_crowd_out_one_request_is_refused_at_start(demo_model, tmp_path):
+    from engine.settings import SettingsError
+
+    greedy = (Path(__file__).parent.parent / "engine" / "tiers.toml").read_text()
+    greedy = greedy.replace("leased_cache_cap = 0.3", "leased_cache_cap = 0.6")
+    path = tmp_path / "greedy.toml"
+    path.write_text(greedy)
+    with pytest.raises(SettingsError, match=r"reserve \d+ of 23 KV blocks .* needs 14"):
+        make_scheduler(
+            TenantAwareScheduler, demo_model, 24, kvlease={"tiers": str(path)}, max_model_len=448
+        )
