@@ -72,14 +72,21 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
         st.info("No tenant holds KV blocks yet: the engine has not served a tenant request.")
     waiting = "—" if live.waiting is None else live.waiting
     running = "—" if live.running is None else live.running
-    c1, c2, c3, c4 = st.columns(4)
+    hit = live.lease_hit_ratio
+    c1, c2, c3, c4, c5 = st.columns(5)
     c1.metric("Pool in use", f"{live.utilisation:.0%}")
     c2.metric("Free blocks", f"{live.free_blocks} / {live.pool_blocks}")
-    c3.metric("Running requests", running)
-    c4.metric("Waiting requests", waiting)
+    c3.metric(
+        "Lease hit ratio",
+        "—" if hit is None else f"{hit:.0%}",
+        help="Of the prefix tokens running leases were keeping, the share that leased "
+        "sessions' next turns found in the cache, over the window.",
+    )
+    c4.metric("Running requests", running)
+    c5.metric("Waiting requests", waiting)
 
     left, right = st.columns([1, 3])
-    left.plotly_chart(charts.pool_gauge(live.utilisation, live.pool_blocks), key="pool")
+    left.plotly_chart(charts.pool_bar(live.pool_states, live.pool_blocks), key="pool")
     shown = data.pick_tenants(live.tenants, search, top)
     right.markdown(f"**Tenants** ({len(shown)} of {len(live.tenants)})")
     right.dataframe(
@@ -97,6 +104,7 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
     keep = data.top_tenant_ids(live.occupancy, top)
     st.plotly_chart(charts.occupancy_area(data.top_occupancy(live.occupancy, keep)), key="blocks")
     st.plotly_chart(charts.events_timeline(live.events), key="events")
+    st.plotly_chart(charts.lease_hit_lines(data.lease_hit_series(live.lease_reuse)), key="lease")
 
 
 def usage_page() -> None:

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 
 from dashboard.data import STATES
 from engine.tenancy import TierTable
+from exporters.metrics import LEASE_HIT_ALERT
 
 PALETTE = ("#6f42c1", "#1f77b4", "#9aa0a6", "#2ca02c", "#ff7f0e", "#8c564b")  # by importance
 
@@ -33,22 +34,55 @@ def _empty(title: str, message: str) -> go.Figure:
     return fig
 
 
-def pool_gauge(utilisation: float, pool_blocks: int) -> go.Figure:
-    """Share of the pool not free, with the 95% line the alert rule uses."""
+POOL_COLORS = {"running": "#1f77b4", "cached_leased": "#6f42c1", "cached": "#9aa0a6"}
+POOL_TITLES = {**STATE_TITLES, "empty": "empty"}
+
+
+def pool_bar(states: dict[str, int], pool_blocks: int) -> go.Figure:
+    """The pool as one stacked bar: running, leased cached, cached, empty (blocks). vLLM
+    counts the two cached kinds as free; the bar shows what leases hold of it."""
     fig = go.Figure(
-        go.Indicator(
-            mode="gauge+number",
-            value=round(utilisation * 100, 1),
-            number={"suffix": "%"},
-            title={"text": f"KV pool in use ({pool_blocks} blocks)"},
-            gauge={
-                "axis": {"range": [0, 100]},
-                "bar": {"color": "#1f77b4"},
-                "threshold": {"line": {"color": "#d62728", "width": 3}, "value": 95},
-            },
-        )
+        [
+            go.Bar(
+                x=[n],
+                y=["pool"],
+                orientation="h",
+                name=f"{POOL_TITLES[state]} ({n})",
+                marker_color=POOL_COLORS.get(state, "#e8eaed"),
+                hovertemplate=f"{POOL_TITLES[state]}: %{{x}} blocks<extra></extra>",
+            )
+            for state, n in states.items()
+        ]
     )
-    fig.update_layout(height=230, margin={"t": 50, "b": 10, "l": 30, "r": 30})
+    fig.update_layout(
+        barmode="stack",
+        title=f"KV pool ({pool_blocks} blocks)",
+        height=230,
+        margin={"t": 50, "b": 10, "l": 30, "r": 30},
+        xaxis={"range": [0, max(1, pool_blocks)], "title": "blocks"},
+        yaxis={"visible": False},
+        legend={"orientation": "h", "y": -0.3},
+    )
+    return fig
+
+
+def lease_hit_lines(series: pd.DataFrame) -> go.Figure:
+    """Lease hit ratio per tier over time, with the 90% line the alert rule uses."""
+    title = "Lease hit ratio: prefix tokens a leased next turn found in the cache"
+    if series.empty:
+        return _empty(title, "No leased session sent a next turn in this window.")
+    fig = px.line(
+        series.sort_values("t"),
+        x="t",
+        y="ratio",
+        color="tier",
+        markers=True,
+        color_discrete_map=TIER_COLORS,
+        labels={"t": "", "ratio": "hit ratio", "tier": "tier"},
+        title=title,
+    )
+    fig.add_hline(y=LEASE_HIT_ALERT, line_color="#d62728", line_dash="dot")
+    fig.update_layout(height=300, yaxis={"range": [0, 1.05], "tickformat": ".0%"})
     return fig
 
 

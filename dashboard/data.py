@@ -15,6 +15,7 @@ with a sentence for the banner, never a traceback.
 from __future__ import annotations
 
 import hmac
+import itertools
 import os
 import time
 from collections import Counter
@@ -52,6 +53,8 @@ TENANT_COLUMNS = [
     "evictions_5m",
 ]
 EVENT_COLUMNS = ["t", "kind", "tier", "reason", "n"]
+LEASE_COLUMNS = ["t", "tier", "reused", "lost"]  # prefix tokens of leased next turns, per interval
+POOL_STATES = (*STATES, "empty")  # the pool bar, bottom up
 
 
 class SourceError(Exception):
@@ -92,7 +95,7 @@ class Config:
 class Live:
     """One refresh of the live page. `occupancy` has OCCUPANCY_COLUMNS (t as UTC
     datetimes), `tenants` TENANT_COLUMNS, `events` EVENT_COLUMNS (n: preempted
-    requests, or evicted blocks)."""
+    requests, or evicted blocks), `lease_reuse` LEASE_COLUMNS (tokens per interval)."""
 
     pool_blocks: int
     free_blocks: int
@@ -101,6 +104,22 @@ class Live:
     occupancy: pd.DataFrame
     tenants: pd.DataFrame
     events: pd.DataFrame
+    lease_reuse: pd.DataFrame
+
+    @property
+    def pool_states(self) -> dict[str, int]:
+        """The pool by what its blocks hold now: running, cached_leased, cached, and empty
+        (the rest). Leased and plain cached blocks count as free to vLLM, yet a lease
+        keeps the first from lower tiers: the split tells what leases hold."""
+        held = {s: int(self.tenants[s].sum()) if not self.tenants.empty else 0 for s in STATES}
+        return {**held, "empty": max(0, self.pool_blocks - sum(held.values()))}
+
+    @property
+    def lease_hit_ratio(self) -> float | None:
+        """Share of the prefix tokens running leases were keeping that leased sessions'
+        next turns found in the cache, over the window; None without such a turn."""
+        reused, lost = self.lease_reuse["reused"].sum(), self.lease_reuse["lost"].sum()
+        return float(reused / (reused + lost)) if reused + lost > 0 else None
 
     @property
     def utilisation(self) -> float:
@@ -164,6 +183,13 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         (e["t"], e["kind"], e["tier"] or "unclassified", e["reason"], _event_n(e))
         for e in history.get("events", [])
     ]
+    reuse = []  # increments between consecutive samples of the cumulative totals
+    samples = history.get("samples", [])
+    for before, after in itertools.pairwise(samples):
+        for tier, (reused, lost) in after.get("lease_reuse", {}).items():
+            was = before.get("lease_reuse", {}).get(tier, [0, 0])
+            if reused - was[0] or lost - was[1]:
+                reuse.append((after["t"], tier, reused - was[0], lost - was[1]))
     preempted: Counter[str] = Counter()
     evicted: Counter[str] = Counter()
     for e in history.get("events", []):
@@ -198,6 +224,7 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         occupancy=_frame(occupancy, OCCUPANCY_COLUMNS),
         tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
         events=_frame(events, EVENT_COLUMNS),
+        lease_reuse=_frame(reuse, LEASE_COLUMNS),
     )
 
 
@@ -247,6 +274,7 @@ RANGE_QUERIES = {
     "occupancy": f"sum by (tenant_id, state) ({m.KV_BLOCKS.name})",
     "preemptions": f"sum by (tier, reason) (increase({m.PREEMPTIONS.name}[{{step}}s]))",
     "evictions": f"sum by (tier, leased) (increase({m.CACHED_EVICTIONS.name}[{{step}}s]))",
+    "lease_reuse": f"sum by (tier, outcome) (increase({m.LEASE_REUSE.name}[{{step}}s]))",
 }
 
 
@@ -338,6 +366,12 @@ def live_from_prometheus(
         for ts, v in s["values"]
     ]
     events = [(t, k, tier, reason, float(v)) for t, k, tier, reason, v in events if float(v) > 0]
+    reuse: dict[tuple[float, str], list[float]] = {}
+    for s in ranged.get("lease_reuse", []):
+        slot = m.LEASE_OUTCOMES.index(s["metric"].get("outcome", "lost"))
+        for ts, v in s["values"]:
+            reuse.setdefault((float(ts), s["metric"].get("tier", "")), [0.0, 0.0])[slot] = float(v)
+    lease_rows = [(t, tier, r, lost) for (t, tier), (r, lost) in sorted(reuse.items()) if r + lost]
     pool, free = scalar("pool"), scalar("free")
     running, waiting = scalar("running"), scalar("waiting")
     return Live(
@@ -348,10 +382,26 @@ def live_from_prometheus(
         occupancy=_frame(occupancy, OCCUPANCY_COLUMNS),
         tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
         events=_frame(events, EVENT_COLUMNS),
+        lease_reuse=_frame(lease_rows, LEASE_COLUMNS),
     )
 
 
 # -- shaping for the page ---------------------------------------------------------------------
+
+
+def lease_hit_series(reuse: pd.DataFrame, bucket_seconds: int = 30) -> pd.DataFrame:
+    """Lease hit ratio per tier and time bucket (t, tier, ratio), buckets with no leased
+    next turn left out."""
+    if reuse.empty:
+        return pd.DataFrame(columns=["t", "tier", "ratio"])
+    bucketed = (
+        reuse.assign(t=reuse["t"].dt.floor(f"{bucket_seconds}s"))
+        .groupby(["t", "tier"], as_index=False)[["reused", "lost"]]
+        .sum()
+    )
+    bucketed = bucketed[bucketed["reused"] + bucketed["lost"] > 0]
+    ratio = bucketed["reused"] / (bucketed["reused"] + bucketed["lost"])
+    return bucketed.assign(ratio=ratio)[["t", "tier", "ratio"]].reset_index(drop=True)
 
 
 def pick_tenants(tenants: pd.DataFrame, search: str = "", top: int = 20) -> pd.DataFrame:

@@ -36,6 +36,9 @@ class Snapshot:
     tenants: dict[Tenant, TenantHolding]
 
 
+LEASE_OUTCOMES = ("reused", "lost")  # a leased next turn's prefix: served, or computed again
+
+
 @dataclass
 class TenantAccounting:
     """Cumulative per-tenant figures and the latest occupancy snapshot.
@@ -51,6 +54,8 @@ class TenantAccounting:
     recomputed_tokens: Counter[Tenant] = field(default_factory=Counter)
     evicted_blocks: Counter[tuple[Tenant, str | None, bool]] = field(default_factory=Counter)
     offloaded_blocks: Counter[Tenant] = field(default_factory=Counter)  # gauge: off-device now
+    # (tier, "reused" or "lost") -> prefix tokens a lease covered at a session's next turn
+    lease_reuse_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
     last: Snapshot | None = None
 
     def sample(
@@ -93,3 +98,11 @@ class TenantAccounting:
 
     def count_eviction(self, tenant: Tenant, tier: str | None, leased: bool, blocks: int) -> None:
         self.evicted_blocks[(tenant, tier, leased)] += blocks
+
+    def count_lease_reuse(self, tier: str, covered: int, cached: int) -> None:
+        """A leased session's next turn: of the `covered` prefix tokens its lease was to keep,
+        those the prefix cache served (at most `cached`) were reused, the rest lost."""
+        reused = min(covered, max(0, cached))
+        kept, lost = LEASE_OUTCOMES
+        self.lease_reuse_tokens[(tier, kept)] += reused
+        self.lease_reuse_tokens[(tier, lost)] += covered - reused

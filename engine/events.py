@@ -65,6 +65,7 @@ class RequestDone(msgspec.Struct, frozen=True, tag=True):
     block_seconds: float
     prompt_tokens: int = 0
     output_tokens: int = 0
+    lease_covered_tokens: int = 0  # prefix tokens its session's running lease was to keep
 
 
 Event = Preemption | Eviction | LeaseEvent | RequestDone
@@ -108,6 +109,7 @@ class Totals(msgspec.Struct):
     evicted_blocks: list[tuple[str, str | None, bool, int]]  # tenant, tier, leased
     block_seconds: list[tuple[str, float]]
     offloaded_blocks: list[tuple[str, int]]
+    lease_reuse_tokens: list[tuple[str, str, int]] = []  # tier, "reused" or "lost"
 
 
 class EngineState(msgspec.Struct):

@@ -65,6 +65,7 @@ class Holder:
     protected: bool = False
     in_flight: int = 0  # requests of this session in the engine
     deferred: int = 0  # its block frees vLLM has put off (connectors, in-flight steps)
+    last_hashes: list | None = None  # block hashes of its latest finished request's context
     cached: int = 0  # blocks in CACHED
     leased: int = 0  # blocks in a LEASED segment
     evicted_cached: int = 0  # cumulative

@@ -34,7 +34,7 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class SchedulerSettings:
     tiers: TierTable
-    victim_rule: VictimRule = VictimRule.LRU
+    victim_rule: VictimRule = VictimRule.LEAST_WORK
     debug_accounting: bool = False  # check the block invariant every step
     sample_seconds: float = 0.25  # how often occupancy is integrated into block-seconds
     event_capacity: int = 65536
@@ -70,7 +70,7 @@ class SchedulerSettings:
             return out
 
         try:
-            rule = VictimRule(raw["victim_rule"] or VictimRule.LRU)
+            rule = VictimRule(raw["victim_rule"] or VictimRule.LEAST_WORK)
         except ValueError:
             raise SettingsError(
                 f"{where('victim_rule')} must be 'lru' or 'least_work', got {raw['victim_rule']!r}"

@@ -103,6 +103,8 @@ class Tenancy:
     holder: Holder | None
     reserve_from: int  # the first free-queue segment this request may not take
     key: tuple = ()  # engine.policy.service_key, set at each admission
+    lease_covered: int = 0  # prefix tokens of its session's last context a lease was keeping
+    lease_cached: int = -1  # its prefix-cache hit when first scheduled (-1: not yet)
     recomputed_tokens: int = 0
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
 
@@ -180,7 +182,9 @@ class TenantSchedulingMixin:
     - `waiting`: a `TenantWaitingQueue` (tier order, then vLLM's queue per tier): add and
       prepend O(1) (FCFS) or O(log n) (priority), peek and pop O(tiers) more.
     - `_deferred_owner`: id(blocks list) -> Holder for each deferred free vLLM still holds;
-      emptied as vLLM drains them.
+      emptied as vLLM drains them. `_delayed`: finished requests whose blocks a connector
+      still reads -> their Holder. `_awaiting_hit`: leased next turns not yet scheduled
+      (their prefix-cache hit is read when they are). Each O(requests concerned).
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`).
     Per step the mixin adds O(1) work plus one wrapper call per allocation; the admission
@@ -236,6 +240,7 @@ class TenantSchedulingMixin:
         )
         self._deferred_owner: dict[int, Holder | None] = {}  # id(blocks) -> their session
         self._delayed: dict[str, Holder | None] = {}  # finished, blocks kept for a connector
+        self._awaiting_hit: dict[str, Tenancy] = {}  # leased next turns not yet scheduled
         self.deferred_frees = _DeferredFrees(self._deferred_popped)
         self._cost = _cost_model(self.vllm_config, self.settings)
         self._publisher = Publisher.from_env()
@@ -362,9 +367,27 @@ class TenantSchedulingMixin:
         tenancy.holder = holder
         change = self.leases.request_started(tenancy.session, tier.lease_seconds)
         if change is not None:
+            if change.kind == "renew":
+                tenancy.lease_covered = self._lease_covered(holder, request)
+                if tenancy.lease_covered:
+                    self._awaiting_hit[request.request_id] = tenancy
             holder.protected = True
             self._lease_event(holder, change.kind, change.expires_at, change.at, request.request_id)
         return tenancy
+
+    def _lease_covered(self, holder: Holder, request: Request) -> int:
+        """Prefix tokens of `request` that its session's running lease was keeping: the
+        blocks it shares with the session's last context, up to what a prefix-cache hit
+        can serve (vLLM always computes the last prompt token). O(blocks)."""
+        last = holder.last_hashes
+        if not last:
+            return 0
+        hashes = request.block_hashes
+        limit = min(len(last), len(hashes), (request.num_prompt_tokens - 1) // self.block_size)
+        shared = 0
+        while shared < limit and last[shared] == hashes[shared]:
+            shared += 1
+        return shared * self.block_size
 
     # -- scheduling ------------------------------------------------------------
 
@@ -382,8 +405,20 @@ class TenantSchedulingMixin:
         finally:
             if held:
                 self.waiting.prepend_requests(held)
+        if self._awaiting_hit:
+            self._note_lease_hits()
         self._report_evictions()
         return output
+
+    def _note_lease_hits(self) -> None:
+        """A leased next turn just scheduled for the first time: keep its prefix-cache hit
+        (vLLM's own figure, which it hands on with the first token)."""
+        for request_id, t in list(self._awaiting_hit.items()):
+            request = self.requests.get(request_id)
+            stats = request.prefill_stats if request is not None else None
+            if stats is not None and request.status == RequestStatus.RUNNING:
+                t.lease_cached = stats.num_cached_tokens
+                del self._awaiting_hit[request_id]
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         outputs = super().update_from_output(*args, **kwargs)
@@ -636,6 +671,10 @@ class TenantSchedulingMixin:
         now = self.clock()
         holder = t.holder
         if holder is not None:
+            self._awaiting_hit.pop(request.request_id, None)
+            if t.lease_covered and t.lease_cached >= 0:  # it was scheduled
+                self.accounting.count_lease_reuse(holder.tier, t.lease_covered, t.lease_cached)
+            holder.last_hashes = request.block_hashes
             holder.in_flight -= 1
             change = self.leases.request_finished(t.session)
             if change is not None:
@@ -656,6 +695,7 @@ class TenantSchedulingMixin:
                 self.accounting.request_done(request.request_id),
                 request.num_prompt_tokens,
                 request.num_output_tokens,
+                t.lease_covered,
             )
         )
         return result
@@ -826,6 +866,7 @@ class TenantSchedulingMixin:
                 evicted_blocks=[(*k, n) for k, n in acc.evicted_blocks.items()],
                 block_seconds=list(acc.block_seconds.items()),
                 offloaded_blocks=list(acc.offloaded_blocks.items()),
+                lease_reuse_tokens=[(*k, n) for k, n in acc.lease_reuse_tokens.items()],
             ),
         )
 

@@ -4,7 +4,10 @@ One FOCUS row per (tenant, model, charge period). Costs are exact decimals:
     (input - cached input)/1000 x input price + cached input/1000 x cached price
     + output/1000 x output price + KV block-hours x block-hour price,
 priced per record by that record's tier. Recomputed tokens (work a preemption
-threw away) are reported in `x_RecomputedTokens` and never billed. Rows are
+threw away) are reported in `x_RecomputedTokens` and never billed; what leasing
+bought is in `x_LeaseCoveredTokens` (prefix tokens a running lease was keeping at
+a session's next turn) and `x_LeaseReusedTokens` (those the cache served, billed
+at the cached-input price like any cached token). Rows are
 produced one group at a time from records sorted by (tenant, model, end time),
 so memory stays flat however many records there are.
 """
@@ -91,6 +94,8 @@ FOCUS_COLUMNS = (  # FOCUS 1.2 columns that apply to an inference provider, then
     "x_CachedInputTokens",
     "x_OutputTokens",
     "x_RecomputedTokens",
+    "x_LeaseCoveredTokens",
+    "x_LeaseReusedTokens",
     "x_BlockHours",
     "x_Preemptions",
 )
@@ -211,6 +216,8 @@ class _Group:
         "cached",
         "consumed",
         "input",
+        "lease_covered",
+        "lease_reused",
         "output",
         "preemptions",
         "prices",
@@ -224,6 +231,7 @@ class _Group:
         self.consumed = [ZERO] * len(SKUS)
         self.pricing = [ZERO] * len(SKUS)
         self.input = self.cached = self.output = self.recomputed = 0
+        self.lease_covered = self.lease_reused = 0
         self.preemptions = self.requests = 0
         self.block_seconds = ZERO
 
@@ -235,6 +243,8 @@ class _Group:
         self.cached += r.cached_input_tokens
         self.output += r.output_tokens
         self.recomputed += r.recomputed_tokens
+        self.lease_covered += r.lease_covered_tokens
+        self.lease_reused += min(r.lease_covered_tokens, r.cached_input_tokens)
         self.block_seconds += Decimal(repr(r.kv_block_seconds))
         self.preemptions += r.preemptions
         self.requests += 1
@@ -349,6 +359,8 @@ class _Context:
             "x_CachedInputTokens": str(g.cached if primary else 0),
             "x_OutputTokens": str(g.output if primary else 0),
             "x_RecomputedTokens": str(g.recomputed if primary else 0),
+            "x_LeaseCoveredTokens": str(g.lease_covered if primary else 0),
+            "x_LeaseReusedTokens": str(g.lease_reused if primary else 0),
             "x_BlockHours": _decimal(g.block_seconds / Decimal(3600) if primary else ZERO),
             "x_Preemptions": str(g.preemptions if primary else 0),
         }

@@ -3,8 +3,9 @@
 A dashboard opened during an incident must show what led up to it, not only
 what happens from then on. So the API process keeps, from the snapshots and
 events the engine channel already brings:
-- occupancy samples: pool size, free blocks and per-tenant blocks by state,
-  at most one per `every` seconds, for `window` seconds;
+- occupancy samples: pool size, free blocks, per-tenant blocks by state and the
+  cumulative lease reuse per tier (tokens reused, lost), at most one per `every`
+  seconds, for `window` seconds;
 - preemption and cached-block eviction events, for `window` seconds, at most
   `max_events` (the oldest go first).
 
@@ -20,9 +21,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from engine.accounting import LEASE_OUTCOMES
 from engine.events import EngineState, Eviction, Preemption
 
 Label = Callable[[str | None], str]
+
+
+def _lease_reuse(state: EngineState) -> dict[str, list[int]]:
+    """tier -> [reused, lost] prefix tokens of leased next turns, since the engine started."""
+    out: dict[str, list[int]] = {}
+    for tier, outcome, n in state.totals.lease_reuse_tokens:
+        out.setdefault(tier, [0, 0])[LEASE_OUTCOMES.index(outcome)] = n
+    return out
 
 
 class History:
@@ -58,6 +68,7 @@ class History:
                         for tenant, b in state.tenants.items()
                         if b.running or b.cached_leased or b.cached
                     },
+                    "lease_reuse": _lease_reuse(state),
                 }
             )
 

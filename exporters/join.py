@@ -156,6 +156,10 @@ class FinishedRequest:
         return sum(d.block_seconds for d in self.done)
 
     @property
+    def lease_covered_tokens(self) -> int:
+        return sum(d.lease_covered_tokens for d in self.done)
+
+    @property
     def e2e_latency(self) -> float | None:
         """The longest child's engine latency (the request took as long as its slowest)."""
         return max((s.e2e_latency for s in self.stats), default=None)

@@ -55,6 +55,7 @@ class UsageRecord:
     outcome: str
     partial: bool = False  # delivered before every half arrived: figures may be low
     price_basis: str | None = None  # the tier's prices when written (engine.tenancy.Prices)
+    lease_covered_tokens: int = 0  # prefix tokens its session's running lease was to keep
 
 
 metadata = MetaData()
@@ -77,6 +78,7 @@ records = Table(
     Column("outcome", String(16), nullable=False),
     Column("partial", Boolean, nullable=False, default=False),
     Column("price_basis", Text),
+    Column("lease_covered_tokens", Integer, nullable=False, default=0),
 )
 # Version -> statements. Append, never edit: a database at version N runs N+1.. only.
 MIGRATIONS: dict[int, Sequence[str]] = {
@@ -94,6 +96,7 @@ MIGRATIONS: dict[int, Sequence[str]] = {
     ),
     2: ("ALTER TABLE usage_records ADD COLUMN partial BOOLEAN NOT NULL DEFAULT FALSE",),
     3: ("ALTER TABLE usage_records ADD COLUMN price_basis TEXT",),
+    4: ("ALTER TABLE usage_records ADD COLUMN lease_covered_tokens INTEGER NOT NULL DEFAULT 0",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 assert [c.name for c in records.columns] == [f.name for f in fields(UsageRecord)]

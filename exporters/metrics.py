@@ -28,6 +28,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from engine.accounting import LEASE_OUTCOMES as LEASE_OUTCOMES  # LEASE_REUSE outcomes
 from engine.events import EngineState, TenantHolding
 from engine.labels import UNCLASSIFIED, TenantLabels
 from engine.tenancy import TierTable
@@ -109,6 +110,14 @@ SWAPPED_BLOCKS = Family(
     "(always 0 where vLLM has no KV offloading, such as on CPU).",
     ("tenant_id",),
 )
+LEASE_REUSE = Family(
+    "vllm_tenant_lease_reuse_tokens_total",
+    "counter",
+    "Prefix tokens a running lease was keeping when its session's next turn arrived, by tier "
+    "and outcome: reused (served from the prefix cache) or lost (computed again).",
+    ("tier", "outcome"),
+)
+LEASE_HIT_ALERT = 0.90  # a tier's lease hit ratio under this for 10 min fires the alert
 BLOCK_SECONDS = Family(
     "vllm_tenant_kv_block_seconds_total",
     "counter",
@@ -191,6 +200,7 @@ FAMILIES = (
     KV_EVICTIONS,
     CACHED_EVICTIONS,
     SWAPPED_BLOCKS,
+    LEASE_REUSE,
     BLOCK_SECONDS,
     TOKENS,
     REQUESTS,
@@ -329,6 +339,8 @@ class TenantMetrics:
             fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
         for tenant, n in totals.recomputed_tokens:
             tokens[(tenant, "recomputed")] += n
+        for tier, outcome, n in sorted(totals.lease_reuse_tokens):
+            fam[LEASE_REUSE.name].add_metric([tier, outcome], n)
 
     def _priority(self, tier: str | None) -> str:
         return str(self.tiers[tier].priority) if tier in self.tiers else "none"

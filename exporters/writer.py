@@ -62,6 +62,7 @@ def to_record(p: FinishedRequest, tiers: TierTable | None = None) -> UsageRecord
         outcome=p.outcome,
         partial=p.partial,
         price_basis=tiers[tier].prices.basis(tiers.currency) if priced else None,
+        lease_covered_tokens=p.lease_covered_tokens,
     )
 
 

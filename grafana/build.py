@@ -77,6 +77,17 @@ def _q(expr: str, legend: str = "") -> tuple[Query, ...]:
     return (Query(expr, legend),)
 
 
+def lease_hit_ratio(sel: str, window: str, by: str = "tier") -> str:
+    """Reused / (reused + lost) prefix tokens of leased next turns, by `by`."""
+    reused = (
+        f'{sel}, outcome="{m.LEASE_OUTCOMES[0]}"' if sel else f'outcome="{m.LEASE_OUTCOMES[0]}"'
+    )
+    return (
+        f"{_sum('increase', m.LEASE_REUSE.name, by, reused, window)} / "
+        f"{_sum('increase', m.LEASE_REUSE.name, by, sel, window)}"
+    )
+
+
 def kv_cache_panels() -> list[Panel]:
     used = f"1 - sum({m.FREE_BLOCKS.name}{{{SEL}}}) / sum({m.POOL_BLOCKS.name}{{{SEL}}})"
     return [
@@ -107,6 +118,21 @@ def kv_cache_panels() -> list[Panel]:
             stacked=True,
             width=24,
             height=10,
+        ),
+        Panel(
+            "Lease hit ratio by tier",
+            "Of the prefix tokens a running lease was keeping when its session's next turn "
+            "arrived, the share the prefix cache served (the rest was computed again). "
+            f"The alert fires under {m.LEASE_HIT_ALERT:.0%} for 10 minutes.",
+            _q(lease_hit_ratio(TIER, "$__rate_interval"), "{{tier}}"),
+            unit="percentunit",
+        ),
+        Panel(
+            "Lease reuse by tier (tokens)",
+            "Prefix tokens of leased next turns per second: reused from the cache, or lost "
+            "(computed again).",
+            _q(_sum("rate", m.LEASE_REUSE.name, "tier, outcome", TIER), "{{tier}} {{outcome}}"),
+            stacked=True,
         ),
         Panel(
             "Active leases by tenant",
@@ -489,6 +515,20 @@ def alert_rules(tiers: TierTable) -> list[dict[str, Any]]:
                 "description": "{{ $value | humanize }} lease-protected cached blocks evicted "
                 "in 10 minutes: the leased-cache cap of the tier, or the pool, is too small "
                 "for the sessions it protects.",
+            },
+        },
+        {
+            "alert": "KvleaseLeaseHitLow",
+            "expr": f"{lease_hit_ratio('', '10m', 'job, instance, tier')} < {m.LEASE_HIT_ALERT}",
+            "for": "10m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Leased {{ $labels.tier }} sessions lose their prefix on "
+                "{{ $labels.instance }}",
+                "description": "Leased next turns found {{ $value | humanizePercentage }} of "
+                f"the prefix their lease was keeping (under {m.LEASE_HIT_ALERT:.0%} for 10 "
+                "minutes): the tier's leased_cache_cap is smaller than its sessions' "
+                "contexts, or the pool is too small for the leases it must honour.",
             },
         },
         {

@@ -164,7 +164,7 @@ def test_browser_sees_tenants_and_a_live_chart(traffic, dashboard, browser):
         timeout=30_000,
     )
     assert page.evaluate("() => window.kvleaseMarker") == 1
-    _screenshot(page, ARTIFACTS / "dashboard-live.png", charts=3)
+    _screenshot(page, ARTIFACTS / "dashboard-live.png", charts=4)
     page.close()
 
 

@@ -95,6 +95,50 @@ def test_live_from_engine_joins_blocks_tiers_leases_and_recent_events():
     assert live.events.set_index("kind").loc["eviction", "n"] == 3  # blocks, for evictions
 
 
+def test_the_pool_bar_splits_what_vllm_calls_free_into_leased_cached_cached_and_empty():
+    state = _state(acme=(3, 40, 1), bob=(4, 6, 2))  # 46 of 63 blocks hold leased prefixes
+    live = data.live_from_engine(state, {"samples": [], "events": []}, time.time())
+    assert live.pool_states == {"running": 7, "cached_leased": 46, "cached": 3, "empty": 7}
+    bar = charts.pool_bar(live.pool_states, live.pool_blocks)
+    assert [t.name for t in bar.data] == [
+        "running (7)",
+        "cached, leased (46)",
+        "cached (3)",
+        "empty (7)",
+    ]
+
+
+def _reuse_history(totals: list[list]) -> dict:
+    """Engine history samples whose cumulative lease reuse is `totals[i]` at sample i."""
+    history = History(TenantLabels(), window=600, every=1.0)
+    now = time.time()
+    for i, reuse in enumerate(totals):
+        state = _typed(_state())
+        state.totals.lease_reuse_tokens = reuse
+        history.add_state(state, wall=now - 100 + 10 * i)
+    return history.since(600)
+
+
+def test_the_lease_hit_ratio_comes_from_the_increments_within_the_window():
+    before = [("premium", "reused", 1000), ("premium", "lost", 1000)]  # before the window
+    then = [("premium", "reused", 1300), ("premium", "lost", 1100)]
+    later = [*then[:1], ("premium", "lost", 1100), ("standard", "reused", 64)]
+    samples = _reuse_history([before, then, later])
+    live = data.live_from_engine(_state(), samples, time.time())
+    assert live.lease_hit_ratio == pytest.approx((300 + 64) / (300 + 100 + 64))
+    series = data.lease_hit_series(live.lease_reuse, bucket_seconds=1)
+    assert sorted(series["tier"]) == ["premium", "standard"]
+    assert series.set_index("tier").loc["premium", "ratio"] == pytest.approx(0.75)
+    figure = charts.lease_hit_lines(series)
+    assert {t.name for t in figure.data} == {"premium", "standard"}
+
+
+def test_without_a_leased_next_turn_the_ratio_is_unknown_not_zero():
+    live = data.live_from_engine(_state(), _reuse_history([[], []]), time.time())
+    assert live.lease_hit_ratio is None
+    assert charts.lease_hit_lines(data.lease_hit_series(live.lease_reuse)).layout.annotations
+
+
 def test_an_empty_engine_is_an_empty_picture_not_an_error():
     state = _state() | {"lease_summary": {}, "tenant_tiers": {}}
     live = data.live_from_engine(state, {"samples": [], "events": []}, time.time())
@@ -132,6 +176,10 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
         "occupancy": [_matrix({"tenant_id": "acme", "state": "running"}, [8, 6, 0])],
         "preemptions": [_matrix({"tier": "free", "reason": "kv_pressure"}, [0, 2, 1])],
         "evictions": [_matrix({"tier": "standard", "leased": "true"}, [5])],
+        "lease_reuse": [
+            _matrix({"tier": "premium", "outcome": "reused"}, [90, 0]),
+            _matrix({"tier": "premium", "outcome": "lost"}, [10, 0]),
+        ],
     }
     live = data.live_from_prometheus(instant, ranged)
     assert (live.pool_blocks, live.free_blocks, live.running, live.waiting) == (126, 26, 9, None)
@@ -145,6 +193,8 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
         ("kv_pressure", 2.0),
         ("leased_cache_eviction", 5.0),
     ]  # zero buckets dropped
+    assert live.lease_hit_ratio == pytest.approx(0.9)
+    assert len(live.lease_reuse) == 1  # the bucket with no leased next turn is dropped
 
 
 def _tenants(n: int) -> pd.DataFrame:

@@ -292,3 +292,21 @@ def _finished_premium_request():
     )
     entry = InFlight(TenantContext("acme", "premium"), "/v1/completions", int(NOV * 1e9))
     return FinishedRequest("kvl-" + "a" * 32, 0.0, entry, [stats])
+
+
+def test_what_leasing_bought_is_on_the_input_row_covered_and_reused(tiers):
+    records = [
+        rec(1, lease_covered_tokens=320),  # 400 cached of which the lease kept 320
+        rec(2, lease_covered_tokens=640),  # the cache served only 400 of the lease's 640
+        rec(3),  # a first turn: nothing leased
+    ]
+    [first, *others] = _focus(records, tiers)[:4]
+    assert (first["x_LeaseCoveredTokens"], first["x_LeaseReusedTokens"]) == ("960", "720")
+    assert {(r["x_LeaseCoveredTokens"], r["x_LeaseReusedTokens"]) for r in others} == {("0", "0")}
+
+
+def test_records_keep_the_lease_covered_tokens_through_the_database(tmp_path):
+    ledger = UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
+    ledger.write([rec(1, lease_covered_tokens=256)])
+    [back] = list(ledger.read(0, 4e9))
+    assert back.lease_covered_tokens == 256

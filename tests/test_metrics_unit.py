@@ -90,6 +90,7 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
                 evicted_blocks=[["acme", "premium", True, 4]],
                 block_seconds=[["acme", 12.5]],
                 recomputed_tokens=[["acme", 33]],
+                lease_reuse_tokens=[["premium", "reused", 320], ["premium", "lost", 32]],
             ),
         },
     )
@@ -149,6 +150,8 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
     assert value(ttft, tier="premium", le="0.25") == 0  # queued 0.1 + prefill 0.2
     assert value(ttft, tier="premium", le="0.5") == 1
     assert value("vllm_tenant_active_swapped_blocks", tenant_id="acme") == 0
+    assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="reused") == 320
+    assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="lost") == 32
 
 
 def test_labels_keep_allow_listed_and_first_tenants_and_fold_the_rest():

@@ -276,3 +276,26 @@ def test_a_tier_table_whose_caps_crowd_out_one_request_is_refused_at_start(demo_
         make_scheduler(
             TenantAwareScheduler, demo_model, 24, kvlease={"tiers": str(path)}, max_model_len=448
         )
+
+
+def test_a_leased_next_turn_reports_what_its_lease_covered_and_reused(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    chat = _conversation(100, seed=3)
+    _finish_turn(scheduler, make_request("sam", "standard", 0, 30, session="c", prompt=chat))
+    context = chat + [7] * 30  # the synthetic model answers 7s
+    scheduler.events.drain()
+    _finish_turn(scheduler, make_request("sam", "standard", 0, 2, session="c", prompt=context))
+    [done] = [e for e in scheduler.events.drain() if type(e).__name__ == "RequestDone"]
+    assert done.lease_covered_tokens == 128  # 130 tokens of context: four whole blocks
+    assert dict(scheduler.accounting.lease_reuse_tokens) == {
+        ("standard", "reused"): 128,
+        ("standard", "lost"): 0,
+    }
+    state = scheduler.state()
+    assert sorted(state.totals.lease_reuse_tokens) == [
+        ("standard", "lost", 0),
+        ("standard", "reused", 128),
+    ]
+    # A first turn, or a session whose lease ran out, is not a leased next turn.
+    _finish_turn(scheduler, make_request("new", "premium", 0, 2, session="x", prompt=chat))
+    assert sum(scheduler.accounting.lease_reuse_tokens.values()) == 128

@@ -8,16 +8,20 @@ from engine.settings import SchedulerSettings, SettingsError
 
 def test_defaults():
     s = SchedulerSettings.load({}, env={})
-    assert (s.victim_rule, s.debug_accounting, s.sample_seconds) == (VictimRule.LRU, False, 0.25)
+    assert (s.victim_rule, s.debug_accounting, s.sample_seconds) == (
+        VictimRule.LEAST_WORK,
+        False,
+        0.25,
+    )
     assert list(s.tiers) == ["premium", "standard", "free"]
 
 
 def test_additional_config_wins_over_environment():
     s = SchedulerSettings.load(
-        {"kvlease": {"victim_rule": "least_work", "debug_accounting": True}},
-        env={"KVLEASE_VICTIM_RULE": "lru", "KVLEASE_SAMPLE_SECONDS": "2"},
+        {"kvlease": {"victim_rule": "lru", "debug_accounting": True}},
+        env={"KVLEASE_VICTIM_RULE": "least_work", "KVLEASE_SAMPLE_SECONDS": "2"},
     )
-    assert s.victim_rule is VictimRule.LEAST_WORK and s.debug_accounting
+    assert s.victim_rule is VictimRule.LRU and s.debug_accounting
     assert s.sample_seconds == 2.0
 
 
@@ -48,3 +52,17 @@ def test_block_seconds_integrate_billable_blocks_between_samples():
 def test_unbalanced_books_raise():
     with pytest.raises(AccountingError, match="3 referenced \\+ 6 free != 10"):
         TenantAccounting().sample(0.0, 10, 6, 3, {}, {}, check=True)
+
+
+def test_a_leased_next_turn_counts_what_the_cache_served_as_reused_and_the_rest_as_lost():
+    acc = TenantAccounting()
+    acc.count_lease_reuse("premium", covered=160, cached=160)
+    acc.count_lease_reuse("premium", covered=160, cached=96)
+    acc.count_lease_reuse("standard", covered=64, cached=-1)  # never scheduled: nothing served
+    acc.count_lease_reuse("standard", covered=64, cached=300)  # a hit beyond the lease's part
+    assert dict(acc.lease_reuse_tokens) == {
+        ("premium", "reused"): 256,
+        ("premium", "lost"): 64,
+        ("standard", "reused"): 64,
+        ("standard", "lost"): 64,
+    }
