@@ -27,9 +27,9 @@ BLOCK_SIZE = 32
 
 
 def max_model_len(pool: int) -> int:
-    """The longest request the shipped lease caps leave room for on `pool` blocks (vLLM
+    """The longest request the lease caps ($KVLEASE_TIERS, else shipped) leave room for on `pool` blocks (vLLM
     keeps one back); every way of a benchmark gets the same."""
-    return TierTable.shipped().max_request_tokens(pool - 1, BLOCK_SIZE)
+    return TierTable.load().max_request_tokens(pool - 1, BLOCK_SIZE)
 
 
 @dataclass

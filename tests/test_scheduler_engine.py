@@ -221,7 +221,7 @@ def test_a_premium_next_turn_keeps_its_prefix_while_free_requests_churn_the_pool
     def next_turn_hit(engine) -> tuple[float, int]:
         settle(engine)
         engine.scheduler.preemptions.clear()
-        chat = _prompt(tokenizer, "pam plans a long trip", f"pam{next(_ids)}", 170)
+        chat = _prompt(tokenizer, "pam plans a long trip", f"pam{next(_ids)}", 120)
         tenant = chat["cache_salt"].removeprefix("salt-")
         out = _turn(engine, chat["prompt_token_ids"], tenant, "premium", "trip")
         history = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
@@ -266,7 +266,7 @@ def test_state_reports_the_pool_by_tenant_and_state(kvlease_engine):
     assert state.pool_blocks == 23
     assert state.running == state.waiting == 0
     sue = state.tenants["sue"]
-    assert sue.running == 0 and sue.cached_leased >= 3
+    assert sue.running == 0 and sue.cached_leased == 2  # standard's cap on 23 blocks
     lease = next(x for x in state.leases if x.tenant_id == "sue")
     assert 0 < lease.seconds_left <= 60
     assert lease.cached_leased_blocks == sue.cached_leased

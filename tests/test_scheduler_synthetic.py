@@ -119,12 +119,12 @@ def test_event_overflow_is_counted_and_counters_stay_exact(demo_model):
 def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
     scheduler.clock = clock = OffsetClock()
-    scheduler.add_request(make_request("acme", "standard", 100, 8, session="chat"))
+    scheduler.add_request(make_request("acme", "standard", 60, 8, session="chat"))
     _run(scheduler)
     state = scheduler.state()
     [lease] = state.leases
     assert lease.tenant_id == "acme" and 59 < lease.seconds_left <= 60
-    assert state.tenants["acme"].cached_leased == 3
+    assert state.tenants["acme"].cached_leased == 2  # 68 tokens: two full blocks
     clock.offset += lease.seconds_left - 0.01
     step(scheduler)
     assert scheduler.state().leases
@@ -132,7 +132,7 @@ def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
     step(scheduler)
     state = scheduler.state()
     assert state.leases == []
-    assert state.tenants["acme"] == TenantHolding(running=0, cached_leased=0, cached=3)
+    assert state.tenants["acme"] == TenantHolding(running=0, cached_leased=0, cached=2)
     assert scheduler.reset_prefix_cache()
     assert scheduler._holders == {}
     assert scheduler.state().tenants == {}
@@ -219,23 +219,23 @@ def _conversation(turn_tokens: int, seed: int) -> list[int]:
 
 
 def test_a_lower_tier_never_takes_a_running_lease_while_it_can_preempt_its_own(demo_model):
-    """Pool 23 blocks; the shipped caps let premium leases hold 6. A premium session's
-    5-block prefix stays while three free requests outgrow the 18 blocks left: they
+    """Pool 23 blocks; the shipped caps let premium leases hold 4. A premium session's
+    4-block prefix stays while three free requests outgrow the 19 blocks left: they
     preempt each other instead, and the premium's next turn finds its whole prefix."""
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    chat = _conversation(180, seed=1)
+    chat = _conversation(140, seed=1)
     _finish_turn(scheduler, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
     holder = scheduler._holders[("pam", "c")]
-    assert holder.leased == 5  # 180 prompt tokens: five full blocks of 32
+    assert holder.leased == 4  # 141 tokens of context: four full blocks of 32
     for i in range(3):
         scheduler.add_request(make_request(f"f{i}", "free", 100, 200, session=f"f{i}"))
-    _run(scheduler, each_step=lambda s: _assert_leased(s, holder, 5))
+    _run(scheduler, each_step=lambda s: _assert_leased(s, holder, 4))
     assert any(p[0] == "free" for p in scheduler.preemptions), "the churn must run short"
     assert holder.evicted_leased == 0
     turn2 = make_request("pam", "premium", 0, 2, session="c", prompt=chat + [5] * 20)
     scheduler.add_request(turn2)
     _, hit, _ = scheduler.kv_cache_manager.get_computed_blocks(turn2)
-    assert hit == 160
+    assert hit == 128
     _run(scheduler)
 
 
@@ -246,30 +246,30 @@ def _assert_leased(scheduler, holder, blocks) -> None:
 def test_a_free_request_as_long_as_the_unreserved_pool_completes_beside_full_leases(
     demo_model,
 ):
-    """Both leasing tiers at their caps (premium 6, standard 3 of 23 blocks): a free
-    request of max_model_len (14 blocks) plus others still runs to the end."""
+    """Both leasing tiers at their caps (premium 4, standard 2 of 23 blocks): a free
+    request of max_model_len (17 blocks) plus others still runs to the end."""
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
     max_len = scheduler.max_model_len
-    assert max_len == 14 * 32
+    assert max_len == 17 * 32
     for i, (tier, tokens) in enumerate([("premium", 200), ("premium", 64), ("standard", 100)]):
         prompt = _conversation(tokens, seed=10 + i)
         _finish_turn(scheduler, make_request(f"l{i}", tier, 0, 1, session="s", prompt=prompt))
     leased = scheduler._free_queue.segment_sizes()[2:]
-    assert leased == [3, 6]  # standard at its cap, premium at its cap
+    assert leased == [2, 4]  # standard at its cap, premium at its cap
     long_free = make_request("big", "free", max_len - 40, 40)
     scheduler.add_request(long_free)
     for i in range(3):
         scheduler.add_request(make_request(f"f{i}", "free", 60, 120))
     _run(scheduler)
     assert long_free.is_finished() and len(long_free.output_token_ids) == 40
-    assert scheduler._free_queue.segment_sizes()[2:] == [3, 6]
+    assert scheduler._free_queue.segment_sizes()[2:] == [2, 4]
 
 
 def test_a_tier_table_whose_caps_crowd_out_one_request_is_refused_at_start(demo_model, tmp_path):
     from engine.settings import SettingsError
 
     greedy = (Path(__file__).parent.parent / "engine" / "tiers.toml").read_text()
-    greedy = greedy.replace("leased_cache_cap = 0.3", "leased_cache_cap = 0.6")
+    greedy = greedy.replace("leased_cache_cap = 0.2", "leased_cache_cap = 0.6")
     path = tmp_path / "greedy.toml"
     path.write_text(greedy)
     with pytest.raises(SettingsError, match=r"reserve \d+ of 23 KV blocks .* needs 14"):
