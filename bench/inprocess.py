@@ -27,8 +27,8 @@ BLOCK_SIZE = 32
 
 
 def max_model_len(pool: int) -> int:
-    """The longest request the lease caps ($KVLEASE_TIERS, else shipped) leave room for on `pool` blocks (vLLM
-    keeps one back); every way of a benchmark gets the same."""
+    """The longest request the lease caps ($KVLEASE_TIERS, else the shipped table) leave
+    room for on `pool` blocks (vLLM keeps one back); every way of a benchmark gets it."""
     return TierTable.load().max_request_tokens(pool - 1, BLOCK_SIZE)
 
 

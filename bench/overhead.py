@@ -11,9 +11,11 @@ as many new ones arrive (outside the timed part), so the engine stays in a
 steady state of prefills and decodes with `n` requests running at most
 (`max_num_seqs`) and a backlog of n/4 waiting:
 - no pressure: the pool holds every request at its largest (4 blocks), beside
-  every tier's leases at their caps;
+  every tier's leases at their caps (both schedulers);
 - pressure: the pool holds 3 blocks per running request, so growing requests
-  are preempted every few steps and re-admitted.
+  are preempted every few steps and re-admitted. kvlease's leases reserve part
+  of it from lower tiers, so it runs fewer requests per step than stock here:
+  the ratio per scheduled request compares the cost of the same work.
 Requests come from 32 tenants in the three tiers (1:3:8), one session each.
 The two classes are timed alternately, `--repeats` times, with the heap
 frozen for the garbage collector as vLLM's EngineCore freezes it after start;
@@ -66,16 +68,16 @@ class Load:
 
 def build(cls: type, model: str, n: int, pressure: bool) -> Load:
     largest = -(-(PROMPT + OUTPUT) // BLOCK)
-    blocks = n * 3 + 1 if pressure else no_pressure_pool((n + n // 4) * largest)
+    blocks = n * 3 + 1 if pressure else pool_with_lease_room((n + n // 4) * largest)
     load = Load(make_scheduler(cls, model, blocks, max_num_seqs=n), n)
     time_steps(load, WARMUP_STEPS)
     return load
 
 
-def no_pressure_pool(live_blocks: int) -> int:
-    """The smallest pool in which `live_blocks` fit beside every lease at its cap (so the
-    leases' reservations cannot make kvlease run short where stock does not), plus vLLM's
-    null block. Both schedulers get it."""
+def pool_with_lease_room(live_blocks: int) -> int:
+    """The smallest pool in which `live_blocks` stay free for live requests beside every
+    lease at its cap, plus vLLM's null block: without pressure, leases (which reserve
+    blocks from lower tiers) must not make kvlease run short where stock does not."""
     tiers = TierTable.shipped()
     usable = live_blocks
     while tiers.max_request_tokens(usable, 1) < live_blocks:
@@ -117,6 +119,8 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         "stock_us": best["stock"] * 1e6,
         "kvlease_us": best["kvlease"] * 1e6,
         "ratio": best["kvlease"] / best["stock"],
+        "ratio_per_request": (best["kvlease"] / scheduled["kvlease"])
+        / (best["stock"] / scheduled["stock"]),
         "requests_sent": {k: len(load.sent) for k, load in loads.items()},
         "preemptions": {k: load.preemptions() for k, load in loads.items()},
     }
@@ -146,11 +150,11 @@ def main() -> int:
             )
     targets = [
         {
-            "target": f"Scheduler step at {r['running']:,} running"
+            "target": f"Scheduler time per scheduled request at {r['running']:,} running"
             f"{', pressure' if r['pressure'] else ''}, vs stock",
             "wanted": "<= 1.05x",
-            "measured": r["ratio"],
-            "met": r["ratio"] <= 1.05,
+            "measured": r["ratio_per_request"],
+            "met": r["ratio_per_request"] <= 1.05,
         }
         for r in rows
         if r["running"] >= 256
@@ -182,15 +186,15 @@ def main() -> int:
 def markdown(result: dict) -> str:
     lines = [
         "| requests | pressure | scheduled per step (stock / kvlease) | stock us/step "
-        "| kvlease us/step | ratio |",
-        "|---|---|---|---|---|---|",
+        "| kvlease us/step | ratio per step | ratio per scheduled request |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['running']:,} | {'yes' if r['pressure'] else 'no'} | "
             f"{r['scheduled_per_step']['stock']:.0f} / {r['scheduled_per_step']['kvlease']:.0f} | "
             f"{r['stock_us']:.0f} | "
-            f"{r['kvlease_us']:.0f} | {r['ratio']:.3f} |"
+            f"{r['kvlease_us']:.0f} | {r['ratio']:.3f} | {r['ratio_per_request']:.3f} |"
         )
     return "\n".join(lines) + "\n\n" + report.targets_table(result["targets"]) + "\n"
 

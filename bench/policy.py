@@ -43,6 +43,7 @@ from demo.workload import TIERS, Turn
 from engine.tenancy import TierTable
 
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
+MAX_CONTEXT = 1400  # a session ends before its context passes this (or max_model_len)
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -78,8 +79,9 @@ def play(
     llm, scheduler, telemetry = engine.llm, engine.scheduler, engine.telemetry
     run = f"{way}{uuid.uuid4().hex[:6]}"
     vocab = llm.model_config.get_vocab_size()
-    # A session ends before its context passes the engine's max_model_len, as a chat app's.
-    trace = StepTrace(turns, steps_per_second, vocab, llm.model_config.max_model_len, run)
+    # The same sessions on any pool, unless the engine's max_model_len is shorter.
+    max_context = min(MAX_CONTEXT, llm.model_config.max_model_len)
+    trace = StepTrace(turns, steps_per_second, vocab, max_context, run)
     scheduler.bench = Observations()
     llm.reset_prefix_cache()
     step = 0

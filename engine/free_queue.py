@@ -132,6 +132,8 @@ class TenantFreeBlockQueue:
     @property
     def num_free_blocks(self) -> int:
         """Free blocks the current allocation may take (all of them with no reservation)."""
+        if self.reserve_from == self.no_reserve:
+            return self._free
         free = self._free
         for seg in range(self.reserve_from, self.no_reserve):
             free -= self._leased_count[seg]

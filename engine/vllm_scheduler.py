@@ -85,6 +85,7 @@ from engine.settings import SchedulerSettings, SettingsError  # noqa: E402
 from engine.waiting_queue import TenantWaitingQueue  # noqa: E402
 
 logger = logging.getLogger("kvlease.scheduler")
+RUNNING = RequestStatus.RUNNING
 
 RequestQueue.register(TenantWaitingQueue)
 MAX_LEASES_LISTED = 1000  # /admin/state lists at most this many; lease_summary covers all
@@ -297,7 +298,8 @@ class TenantSchedulingMixin:
             self.running = _RunningList(self._admitted, self._service_key, self.running)
 
     def _service_key(self, request: Request) -> tuple:
-        return self._tenancy_of(request).key
+        t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
+        return t.key
 
     def _admitted(self, request: Request) -> tuple:
         """vLLM admits `request` into `running`: give it its place (behind its class)."""
@@ -416,7 +418,7 @@ class TenantSchedulingMixin:
         for request_id, t in list(self._awaiting_hit.items()):
             request = self.requests.get(request_id)
             stats = request.prefill_stats if request is not None else None
-            if stats is not None and request.status == RequestStatus.RUNNING:
+            if stats is not None and request.status is RUNNING:
                 t.lease_cached = stats.num_cached_tokens
                 del self._awaiting_hit[request_id]
 
@@ -477,9 +479,10 @@ class TenantSchedulingMixin:
         `request` (unless nothing else runs), and, when a running request gets no blocks,
         the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
         queue = self._free_queue
-        running = request.status is RequestStatus.RUNNING
+        running = request.status is RUNNING
         if queue.leased_blocks and not leases_yield(len(self.running) - running):
-            queue.reserve_from = self._tenancy_of(request).reserve_from
+            t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
+            queue.reserve_from = t.reserve_from
             try:
                 blocks = self._allocate(request, *args, **kwargs)
             finally:

@@ -46,7 +46,7 @@ EXPECTED = {
         "the same, for the async scheduler"
     ),
 }
-OPT_125M = {  # facebook/opt-125m's config.json: the model create_scheduler names
+OPT_125M = {  # facebook/opt-125m's config.json: the model create_scheduler names by default
     "architectures": ["OPTForCausalLM"],
     "model_type": "opt",
     "activation_function": "relu",
@@ -64,6 +64,14 @@ OPT_125M = {  # facebook/opt-125m's config.json: the model create_scheduler name
     "vocab_size": 50272,
     "word_embed_proj_dim": 768,
 }
+OPT_350M = OPT_125M | {  # the priority-preemption test's model
+    "ffn_dim": 4096,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "word_embed_proj_dim": 512,
+}
+CONFIGS = {"facebook/opt-125m": OPT_125M, "facebook/opt-350m": OPT_350M}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlease-tests"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,12 +97,13 @@ def suite() -> Path:
         # The root conftest imports what a scheduler test never uses (PIL, tblib, ...).
         (home / "tests" / "conftest.py").unlink()
         archive.unlink()
-        snapshot = home / "hf" / "hub" / "models--facebook--opt-125m"
-        (snapshot / "snapshots" / ("0" * 40)).mkdir(parents=True)
-        (snapshot / "snapshots" / ("0" * 40) / "config.json").write_text(json.dumps(OPT_125M))
-        (snapshot / "refs").mkdir()
-        (snapshot / "refs" / "main").write_text("0" * 40)
         done.touch()
+    for repo, config in CONFIGS.items():  # the layout huggingface_hub reads offline
+        model = home / "hf" / "hub" / f"models--{repo.replace('/', '--')}"
+        (model / "snapshots" / ("0" * 40)).mkdir(parents=True, exist_ok=True)
+        (model / "snapshots" / ("0" * 40) / "config.json").write_text(json.dumps(config))
+        (model / "refs").mkdir(exist_ok=True)
+        (model / "refs" / "main").write_text("0" * 40)
     return home
 
 
