@@ -150,6 +150,12 @@ def usage_page() -> None:
             "recomputed_tokens": st.column_config.NumberColumn(
                 "recomputed", help="computed again after a preemption; never billed"
             ),
+            "lease_covered_tokens": st.column_config.NumberColumn(
+                "lease kept", help="prefix tokens its running leases were keeping at next turns"
+            ),
+            "lease_reused_tokens": st.column_config.NumberColumn(
+                "lease reused", help="of those, served from the prefix cache: what leasing bought"
+            ),
             "block_hours": st.column_config.NumberColumn("KV block-hours", format="%.4f"),
             "cost": f"cost ({tiers.currency})",
         },

@@ -443,6 +443,8 @@ USAGE_COLUMNS = [
     "cached_input_tokens",
     "output_tokens",
     "recomputed_tokens",
+    "lease_covered_tokens",
+    "lease_reused_tokens",
     "block_hours",
     "preemptions",
     "cost",
@@ -480,6 +482,8 @@ def usage_by_tenant(rows: Iterable[dict[str, str]]) -> pd.DataFrame:
         t["cached_input_tokens"] += int(row["x_CachedInputTokens"])
         t["output_tokens"] += int(row["x_OutputTokens"])
         t["recomputed_tokens"] += int(row["x_RecomputedTokens"])
+        t["lease_covered_tokens"] += int(row["x_LeaseCoveredTokens"])
+        t["lease_reused_tokens"] += int(row["x_LeaseReusedTokens"])
         t["block_hours"] += Decimal(row["x_BlockHours"])
         t["preemptions"] += int(row["x_Preemptions"])
         t["cost"] += Decimal(row["BilledCost"])

@@ -232,6 +232,7 @@ class TenantSchedulingMixin:
         self._check_lease_caps(list(caps), usable)
         self._free_queue = self._install_free_queue()
         self._allocate = self.kv_cache_manager.allocate_slots  # vLLM's, bound
+        self._wrapped_allocate = self._allocate_slots  # one bound method, compared by identity
         # Blocks one step can take beyond one per running request: its token budget, the
         # watermark and one whole request's prefix-cache hit.
         self._step_blocks = (
@@ -470,9 +471,11 @@ class TenantSchedulingMixin:
         """Use kvlease's allocation wrapper only in steps where it can matter: where this
         step could run out of blocks no lease holds (so a reservation or a victim choice
         could come into play). Otherwise vLLM allocates exactly as stock, at stock cost."""
-        worst = len(self.running) + self._step_blocks
-        tight = self._free_queue.free_unleased < worst
-        self.kv_cache_manager.allocate_slots = self._allocate_slots if tight else self._allocate
+        manager = self.kv_cache_manager
+        if manager.allocate_slots not in (self._allocate, self._wrapped_allocate):
+            return  # somebody else's wrapper (a test's, a connector's): leave it in place
+        tight = self._free_queue.free_unleased < len(self.running) + self._step_blocks
+        manager.allocate_slots = self._wrapped_allocate if tight else self._allocate
 
     def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots`, with the leases of more important tiers reserved from

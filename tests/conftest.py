@@ -83,11 +83,20 @@ def postgres_url():
 
 @pytest.fixture
 def november_ledger(tmp_path) -> UsageLedger:
-    """Four records in November 2026: acme (premium) x2, bob (free), cy (standard)."""
+    """Four records in November 2026: acme (premium) x2, the second a leased next turn
+    (its lease kept 320 prefix tokens), bob (free), cy (standard)."""
     ledger = UsageLedger(f"sqlite:///{tmp_path / 'usage.db'}")
     ledger.write(
         [
-            rec(i, tenant, tier, "kvlease-demo", NOV + 3600 * i, input_tokens=1000 + i)
+            rec(
+                i,
+                tenant,
+                tier,
+                "kvlease-demo",
+                NOV + 3600 * i,
+                input_tokens=1000 + i,
+                lease_covered_tokens=320 if i == 1 else 0,
+            )
             for i, (tenant, tier) in enumerate(
                 [("acme", "premium"), ("acme", "premium"), ("bob", "free"), ("cy", "standard")]
             )

@@ -248,6 +248,7 @@ def test_usage_by_tenant_totals_the_focus_rows_exactly(november_ledger, tiers):
     assert table.loc["acme", "requests"] == 2 and table.loc["acme", "input_tokens"] == 2001
     assert table.loc["acme", "recomputed_tokens"] == 140 and table.loc["acme", "preemptions"] == 2
     assert table.loc["acme", "block_hours"] == Decimal("0.02")
+    assert table.loc["acme", ["lease_covered_tokens", "lease_reused_tokens"]].tolist() == [320, 320]
     assert table.loc["acme", "cost"] == sum(
         Decimal(r["BilledCost"]) for r in rows if r["SubAccountId"] == "acme"
     )

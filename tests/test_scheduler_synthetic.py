@@ -299,3 +299,59 @@ def test_a_leased_next_turn_reports_what_its_lease_covered_and_reused(demo_model
     # A first turn, or a session whose lease ran out, is not a leased next turn.
     _finish_turn(scheduler, make_request("new", "premium", 0, 2, session="x", prompt=chat))
     assert sum(scheduler.accounting.lease_reuse_tokens.values()) == 128
+
+
+def test_frees_vllm_defers_past_an_in_flight_step_stay_counted_and_owned(demo_model):
+    """With deferred block freeing (KV-consumer connectors with async scheduling, or
+    pipeline parallelism), a request that stops while a later step is in flight keeps
+    its blocks until that step is done. They stay in the books (debug accounting checks
+    every step) and, once vLLM returns them, are filed under the session's lease."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    scheduler = make_scheduler(
+        TenantAwareScheduler,
+        demo_model,
+        24,
+        kvlease={"debug_accounting": True},
+        async_scheduling=True,
+    )
+    scheduler.defer_block_free = True  # as vLLM's own deferred-free tests force it
+    params = SamplingParams(
+        max_tokens=5,
+        stop_token_ids=[42],
+        extra_args={"tenant_id": "pam", "tier": "premium", "session_id": "c"},
+    )
+    request = Request(
+        request_id="deferred",
+        prompt_token_ids=_conversation(100, seed=9),
+        sampling_params=params,
+        pooling_params=None,
+        cache_salt="pam",
+        block_hasher=get_request_block_hasher(32, sha256),
+    )
+
+    def ran(out, token):
+        ids = list(out.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[token] for _ in ids],
+        )
+
+    scheduler.add_request(request)
+    first, second = scheduler.schedule(), scheduler.schedule()  # step 2 in flight
+    scheduler.update_from_output(first, ran(first, 42))  # stops: its free is deferred
+    assert request.is_finished() and len(scheduler.deferred_frees) == 1
+    holder = scheduler._holders[("pam", "c")]
+    assert holder.deferred == 1 and holder.leased == 0
+    held = scheduler.state().tenants["pam"]
+    assert held.running == 4  # 101 tokens in 4 blocks, still held
+    scheduler.update_from_output(second, ran(second, 7))  # step 2 done: vLLM drains
+    assert not scheduler.deferred_frees and holder.deferred == 0
+    assert holder.leased == 3  # its three full blocks, under the premium lease
+    scheduler._free_queue.check()
+    assert scheduler.state().tenants["pam"].running == 0

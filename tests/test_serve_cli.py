@@ -41,28 +41,33 @@ def test_serve_refuses_a_bad_tier_file(tmp_path):
     assert done.returncode == 2 and "tiers.toml" in done.stderr
 
 
-@pytest.mark.engine  # imports vLLM's argument parser (about 10 s)
-def test_serve_refuses_a_pool_smaller_than_one_request(kvlease_home):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--num-blocks",
-            "8",
-            "--max-model-len",
-            "1024",
-            "--port",
-            "1",
-        ],
+def _serve_pool(kvlease_home, blocks: str, max_model_len: str) -> subprocess.CompletedProcess:
+    argv = ["serve", "--num-blocks", blocks, "--max-model-len", max_model_len, "--port", "1"]
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *argv],
         env={**os.environ, "KVLEASE_JWT_SECRET": "s" * 48, "KVLEASE_HOME": str(kvlease_home)},
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.engine  # imports vLLM's argument parser (about 10 s)
+def test_serve_refuses_a_pool_smaller_than_one_request(kvlease_home):
+    done = _serve_pool(kvlease_home, "8", "1024")
     assert done.returncode == 2
     assert "--num-blocks 8 of 32 tokens holds at most 224 tokens" in done.stderr
+
+
+@pytest.mark.engine
+def test_serve_refuses_lease_caps_that_leave_less_than_one_request(kvlease_home):
+    """The shipped caps hold 4 + 2 of 23 blocks: a 736-token request needs all 23."""
+    done = _serve_pool(kvlease_home, "24", "736")
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]  # above it: the demo model's build
+    assert line.startswith("kvlease serve: error: --num-blocks 24, --max-model-len 736:")
+    assert "reserve 6 of 23 KV blocks (standard 2, premium 4), leaving 17" in line
+    assert "needs 23" in line
 
 
 def test_an_unreachable_ledger_is_one_line_without_its_password():
