@@ -29,7 +29,7 @@ BLOCK_SIZE = 32
 def max_model_len(pool: int) -> int:
     """The longest request the lease caps ($KVLEASE_TIERS, else the shipped table) leave
     room for on `pool` blocks (vLLM keeps one back); every way of a benchmark gets it."""
-    return TierTable.load().max_request_tokens(pool - 1, BLOCK_SIZE)
+    return min(TierTable.load().max_request_tokens(pool - 1, BLOCK_SIZE), 4096)  # the model
 
 
 @dataclass

@@ -23,10 +23,10 @@ stalest prefixes.
 With no owner set, every append lands in CACHED and the queue behaves exactly
 like vLLM's (a differential test checks this).
 
-A lease is a reservation: while the scheduler allocates for a request, it sets
-`reserve_from` to the first LEASED segment that request may not take (a more
-important tier's), and the queue then reports and hands out only the blocks in
-front of it. vLLM's `allocate_slots` reads `num_free_blocks` before it pops, so a
+A lease is a reservation: while the scheduler allocates for a request, it calls
+`reserve(segment)` with the first LEASED segment that request may not take (a
+more important tier's), and the queue then reports and hands out only the blocks
+in front of it. vLLM's `allocate_slots` reads `num_free_blocks` before it pops, so a
 request that would need a reserved block gets no blocks: a running one is preempted
 (or preempts a lower one), a waiting one waits.
 
@@ -96,8 +96,8 @@ class TenantFreeBlockQueue:
     blocks it owns in those segments; `_leased_count[s] <= _cap[s]`.
 
     Costs: popleft is O(segments) (a small constant: tiers + 2), remove,
-    append (with a demotion at the cap) and prepend are O(1); `num_free_blocks`
-    is O(1) with no reservation set and O(segments) with one; none allocates.
+    append (with a demotion at the cap) and prepend are O(1), `num_free_blocks`
+    is a plain attribute, `reserve` O(segments); none allocates.
     Lease release is O(blocks in that tier's segment) and happens once per
     lease expiry, off the hot path.
     """
@@ -114,10 +114,11 @@ class TenantFreeBlockQueue:
         self.leased_blocks = 0  # blocks in every LEASED segment: 0 means nothing is reserved
         self._segment = [EMPTY] * num_blocks
         self._owner: list[Holder | None] = [None] * num_blocks
-        self._free = 0
+        self._free = 0  # every free block
+        self.num_free_blocks = 0  # those the current allocation may take (vLLM reads this)
         self.owner: Holder | None = None  # who is freeing blocks right now (set by the scheduler)
         self.no_reserve = nseg  # `reserve_from` when every block may be taken
-        self.reserve_from = nseg  # segments from here on are reserved (set by the scheduler)
+        self.reserve_from = nseg  # segments from here on are reserved (`reserve`)
         self.evicting: list[Holder] = []  # holders with pending evictions to report
         for block in blocks:
             self._insert_before(self._seps[CACHED], block, EMPTY, None)
@@ -129,15 +130,18 @@ class TenantFreeBlockQueue:
 
     # -- vLLM's FreeKVCacheBlockQueue interface ------------------------------
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Free blocks the current allocation may take (all of them with no reservation)."""
-        if self.reserve_from == self.no_reserve:
-            return self._free
-        free = self._free
-        for seg in range(self.reserve_from, self.no_reserve):
-            free -= self._leased_count[seg]
-        return free
+    def reserve(self, reserve_from: int) -> None:
+        """Until `unreserve`, hide the LEASED segments from `reserve_from` on: they are
+        neither counted in `num_free_blocks` nor popped. O(segments)."""
+        self.reserve_from = reserve_from
+        visible = self._free
+        for seg in range(reserve_from, self.no_reserve):
+            visible -= self._leased_count[seg]
+        self.num_free_blocks = visible
+
+    def unreserve(self) -> None:
+        self.reserve_from = self.no_reserve
+        self.num_free_blocks = self._free
 
     @property
     def free_unleased(self) -> int:
@@ -265,6 +269,8 @@ class TenantFreeBlockQueue:
             prev, node = node, node.next_free_block
         assert prev is self._tail
         assert seen == self._free, "free block count out of sync"
+        if self.reserve_from == self.no_reserve:
+            assert self.num_free_blocks == self._free, "visible count out of sync"
         assert leased == self._leased_count, "leased segment counts out of sync"
         assert sum(leased) == self.leased_blocks, "leased block total out of sync"
         for s in range(FIRST_LEASED, len(self._seps) - 1):
@@ -298,6 +304,7 @@ class TenantFreeBlockQueue:
                 self._leased_count[seg] += 1
                 self.leased_blocks += 1
         self._free += 1
+        self.num_free_blocks += 1
 
     def _unlink(self, block: Block, evicting: bool) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
@@ -305,6 +312,7 @@ class TenantFreeBlockQueue:
         nxt.prev_free_block = prev
         block.prev_free_block = block.next_free_block = None
         self._free -= 1
+        self.num_free_blocks -= 1
         i = block.block_id
         owner = self._owner[i]
         if owner is None:

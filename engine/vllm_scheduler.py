@@ -485,11 +485,11 @@ class TenantSchedulingMixin:
         running = request.status is RUNNING
         if queue.leased_blocks and not leases_yield(len(self.running) - running):
             t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
-            queue.reserve_from = t.reserve_from
+            queue.reserve(t.reserve_from)
             try:
                 blocks = self._allocate(request, *args, **kwargs)
             finally:
-                queue.reserve_from = queue.no_reserve
+                queue.unreserve()
         else:  # nothing is reserved: vLLM's call as it is (the common, cheap case)
             blocks = self._allocate(request, *args, **kwargs)
         if blocks is None and running and self.policy == SchedulingPolicy.FCFS:
@@ -575,11 +575,11 @@ class TenantSchedulingMixin:
         takes a free slot like a new one; a hit block another request holds does not.
         """
         queue = self._free_queue
-        queue.reserve_from = t.reserve_from
+        queue.reserve(t.reserve_from)
         try:
             free = self._pool.get_num_free_blocks()
         finally:
-            queue.reserve_from = queue.no_reserve
+            queue.unreserve()
         watermark = self.kv_cache_manager.watermark_blocks
         whole = -(-(head.num_tokens + self.num_lookahead_tokens) // self.block_size) + watermark
         if free >= whole:  # even the whole request fits: no need to look up its hit

@@ -181,7 +181,7 @@ def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
     _free_as(queue, blocks, holders["standard"], [2, 3, 4])
     _free_as(queue, blocks, holders["premium"], [5, 6, 7, 8])
     assert queue.num_free_blocks == 9
-    queue.reserve_from = FIRST_LEASED  # a free-tier request: may take neither lease
+    queue.reserve(FIRST_LEASED)  # a free-tier request: may take neither lease
     assert queue.num_free_blocks == 2
     assert [queue.popleft().block_id for _ in range(2)] == [0, 1]
     try:
@@ -189,9 +189,9 @@ def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
         raise AssertionError("popped a reserved block")
     except ValueError:
         pass
-    queue.reserve_from = FIRST_LEASED + 1  # a standard request: its own tier's leases too
+    queue.reserve(FIRST_LEASED + 1)  # a standard request: its own tier's leases too
     assert queue.num_free_blocks == 3
-    queue.reserve_from = queue.no_reserve
+    queue.unreserve()
     assert queue.num_free_blocks == 7
     queue.check()
 
@@ -213,10 +213,10 @@ def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, ca
     held: list[int] = [b.block_id for b in queue.popleft_n(N)]
     for op, pick, k in ops:
         if op == "take":
-            queue.reserve_from = FIRST_LEASED + pick % 3
+            queue.reserve(FIRST_LEASED + pick % 3)
             k = min(k, queue.num_free_blocks)
             held += [b.block_id for b in queue.popleft_n(k)]
-            queue.reserve_from = queue.no_reserve
+            queue.unreserve()
         elif op.startswith("free") and held:
             ids = [held.pop(pick % len(held)) for _ in range(min(k, len(held)))]
             _free_as(queue, blocks, holders.get(op.removeprefix("free_")), ids)
@@ -228,6 +228,6 @@ def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, ca
         assert all(n <= cap for n, cap in zip(reserved, caps, strict=True))
         # Whatever the leases hold, a request of the least class may take the rest.
         total = queue.num_free_blocks
-        queue.reserve_from = FIRST_LEASED
+        queue.reserve(FIRST_LEASED)
         assert queue.num_free_blocks >= total - sum(caps)
-        queue.reserve_from = queue.no_reserve
+        queue.unreserve()
