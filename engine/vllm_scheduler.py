@@ -103,7 +103,7 @@ class Tenancy:
     seq: int
     holder: Holder | None
     reserve_from: int  # the first free-queue segment this request may not take
-    key: tuple = ()  # engine.policy.service_key, set at each admission
+    key: tuple  # engine.policy.service_key, renewed at each admission into `running`
     lease_covered: int = 0  # prefix tokens of its session's last context a lease was keeping
     lease_cached: int = -1  # its prefix-cache hit when first scheduled (-1: not yet)
     recomputed_tokens: int = 0
@@ -346,20 +346,24 @@ class TenantSchedulingMixin:
                     {k: args.get(k) for k in ("tenant_id", "tier", "session_id")},
                 )
             rank = protection_rank(False, False, 0)
-            return Tenancy(None, None, None, rank, len(tiers), next(self._seq), None, FIRST_LEASED)
+            key = service_key(rank, next(self._admissions))
+            return Tenancy(
+                None, None, None, rank, len(tiers), next(self._seq), None, FIRST_LEASED, key
+            )
         session_id = session_id if isinstance(session_id, str) else None
         tier = tiers[tier_name]
         self._tenant_tiers[self._label(tenant_id)] = tier.name
-        leased = tier.lease_seconds > 0
+        rank = protection_rank(True, tier.lease_seconds > 0, tier.priority)
         tenancy = Tenancy(
             tenant_id,
             tier.name,
             session_id,
-            protection_rank(True, leased, tier.priority),
+            rank,
             self._bucket[tier.name],
             next(self._seq),
             None,
             self._reserve_from[tier.name],
+            service_key(rank, next(self._admissions)),
         )
         holder = self._holders.get(tenancy.session)
         if holder is None:
