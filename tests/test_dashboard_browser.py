@@ -64,7 +64,9 @@ def _app(monkeypatch, env: dict[str, str]) -> AppTest:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    return AppTest.from_file(str(APP), default_timeout=30).run()
+    # A guard against a hung script, not a speed check: on two busy cores (an engine,
+    # its load, Prometheus and a browser) one run of the page has taken over 30 s.
+    return AppTest.from_file(str(APP), default_timeout=180).run()
 
 
 def test_an_idle_engine_shows_an_empty_page_not_an_error(server, monkeypatch):
