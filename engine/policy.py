@@ -77,11 +77,6 @@ def victim_order(candidates: Iterable[Candidate], rule: VictimRule) -> list[Cand
     return sorted(candidates, key=lambda c: keep_key(c, rule), reverse=True)
 
 
-def first_victim(candidates: Sequence[Candidate], rule: VictimRule) -> int:
-    """Index of the candidate to preempt first. O(n), no allocation beyond the keys."""
-    return max(range(len(candidates)), key=lambda i: keep_key(candidates[i], rule))
-
-
 def service_key(rank: tuple[int, int, int], admitted: int) -> tuple:
     """A request's place in `running`, which vLLM serves front to back and whose last
     element its FCFS preemption takes: class, then admission order (FCFS within a

@@ -9,11 +9,17 @@ import secrets
 import signal
 
 import pytest
+from hypothesis import HealthCheck, settings
 from records import NOV, rec
 
 from engine.auth import Authenticator, KeyRing
 from engine.tenancy import TierTable
 from exporters.ledger import UsageLedger
+
+# Property tests check behaviour, never speed: no per-example deadline and no
+# "input generation is slow" failure when the machine is busy (as CI's two cores are).
+settings.register_profile("kvlease", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvlease")
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ from engine.policy import (
     VictimRule,
     admission_victims,
     eviction_class,
-    first_victim,
     keep_key,
     lease_caps_error,
     leased_cap_blocks,
@@ -167,18 +166,10 @@ def test_leased_cap_is_a_fraction_of_the_pool_rounded_down():
 
 
 @given(cs=candidates, rule=rules)
-def test_first_victim_is_the_head_of_the_victim_order(cs, rule):
-    if cs:
-        assert cs[first_victim(cs, rule)] == victim_order(cs, rule)[0]
-
-
-@given(cs=candidates, rule=rules)
 def test_an_unclassified_victim_is_the_newest_admission_whatever_the_rule(cs, rule):
     unclassified = [c for c in cs if not c.classified]
     if unclassified:
-        assert first_victim(unclassified, rule) == max(
-            range(len(unclassified)), key=lambda i: unclassified[i].seq
-        )
+        assert victim_order(unclassified, rule)[0] == max(unclassified, key=lambda c: c.seq)
 
 
 @given(
