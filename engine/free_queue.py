@@ -134,10 +134,14 @@ class TenantFreeBlockQueue:
         """Until `unreserve`, hide the LEASED segments from `reserve_from` on: they are
         neither counted in `num_free_blocks` nor popped. O(segments)."""
         self.reserve_from = reserve_from
+        self.num_free_blocks = self.free_for(reserve_from)
+
+    def free_for(self, reserve_from: int) -> int:
+        """Free blocks a request that may not take segments from `reserve_from` on may take."""
         visible = self._free
         for seg in range(reserve_from, self.no_reserve):
             visible -= self._leased_count[seg]
-        self.num_free_blocks = visible
+        return visible
 
     def unreserve(self) -> None:
         self.reserve_from = self.no_reserve

@@ -578,12 +578,7 @@ class TenantSchedulingMixin:
         no side effects) only when that does not fit. A hit block still in the free queue
         takes a free slot like a new one; a hit block another request holds does not.
         """
-        queue = self._free_queue
-        queue.reserve(t.reserve_from)
-        try:
-            free = self._pool.get_num_free_blocks()
-        finally:
-            queue.unreserve()
+        free = self._free_queue.free_for(t.reserve_from)
         watermark = self.kv_cache_manager.watermark_blocks
         whole = -(-(head.num_tokens + self.num_lookahead_tokens) // self.block_size) + watermark
         if free >= whole:  # even the whole request fits: no need to look up its hit
