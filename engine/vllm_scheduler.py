@@ -240,6 +240,12 @@ class TenantSchedulingMixin:
             + self.kv_cache_manager.watermark_blocks
             + -(-self.max_model_len // self.block_size)
         )
+        # A running request's next tokens take at most tokens // block + 1 new blocks, on
+        # an engine with one KV cache group (hybrid models always take the full wrapper).
+        one_group = len(self.kv_cache_config.kv_cache_groups) == 1
+        self._most_blocks_for = (
+            (lambda tokens: tokens // self.block_size + 1) if one_group else (lambda _: 1 << 62)
+        )
         self._deferred_owner: dict[int, Holder | None] = {}  # id(blocks) -> their session
         self._delayed: dict[str, Holder | None] = {}  # finished, blocks kept for a connector
         self._awaiting_hit: dict[str, Tenancy] = {}  # leased next turns not yet scheduled
@@ -487,6 +493,13 @@ class TenantSchedulingMixin:
         the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
         queue = self._free_queue
         running = request.status is RUNNING
+        if (
+            running
+            and len(args) == 1
+            and queue.free_unleased
+            > self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
+        ):  # it fits in blocks no lease holds: a reservation would change nothing
+            return self._allocate(request, *args, **kwargs)
         if queue.leased_blocks and not leases_yield(len(self.running) - running):
             t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
             queue.reserve(t.reserve_from)
