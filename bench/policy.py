@@ -142,8 +142,12 @@ def _runs(scheduler: Any) -> int:
     return scheduler.bench_runs
 
 
-def summarize(run: Run, tiers: TierTable) -> dict[str, Any]:
-    """Per tier: TTFT and TPOT on both clocks, preemptions, recomputed tokens, prefix hits."""
+def summarize(run: Run, tiers: TierTable, caps: dict[str, int]) -> dict[str, Any]:
+    """Per tier: TTFT and TPOT on both clocks, preemptions, recomputed tokens, prefix hits.
+
+    `caps` are the blocks each tier's leases may hold (`TierTable.leased_caps`): under
+    contention a leased next turn finds at most that much of its prefix, even with the
+    cap to itself, so `leased_prefix_cap_bound` is the hit the caps allow at best."""
     out: dict[str, Any] = {"tiers": {}}
     preempted: dict[str, list] = defaultdict(list)
     for rid, tier, tokens, lower in run.observations.preemptions:
@@ -163,6 +167,7 @@ def summarize(run: Run, tiers: TierTable) -> dict[str, Any]:
         lease = tiers[tier].lease_seconds
         leased = [r for r in reqs if r.arrival.turn.turn > 0 and r.arrival.think_seconds <= lease]
         cacheable = sum(_cacheable(r) for r in leased)
+        cap_tokens = caps.get(tier, 0) * BLOCK_SIZE
         lost_context = sum(_cacheable(r) - min(r.cached, _cacheable(r)) for r in reqs)
         output_tokens += sum(len(r.output) for r in reqs)
         out["tiers"][tier] = {
@@ -178,6 +183,11 @@ def summarize(run: Run, tiers: TierTable) -> dict[str, Any]:
             "leased_next_turns": len(leased),
             "leased_prefix_hit": (
                 sum(min(r.cached, _cacheable(r)) for r in leased) / cacheable if cacheable else None
+            ),
+            "leased_prefix_cap_bound": (
+                sum(min(cap_tokens, _cacheable(r)) for r in leased) / cacheable
+                if cacheable
+                else None
             ),
         }
     out.update(
@@ -270,6 +280,7 @@ def main() -> int:
     premium = [t for t in turns if t.tier == TIERS[0]]
     print(f"trace: {len(turns)} requests ({len(premium)} premium)", flush=True)
     pool = args.pool_blocks
+    caps = tiers.leased_caps(pool - 1)  # vLLM keeps one block back (its null block)
     telemetry = Telemetry(Path(tempfile.mkdtemp(prefix="kvlease-bench-")))
     loud = start_engine(
         "kvlease", model, TenantAwareScheduler, "fcfs", pool,
@@ -291,12 +302,12 @@ def main() -> int:
     runs = [("alone", "kvlease-quiet", premium), ("fcfs", "fcfs", turns)]
     runs += [("priority", "priority", turns), ("lru", "lru", turns)]
     for name, engine, trace in runs:
-        ways[name] = summarize(play(engines[engine], trace, name, sps, tiers), tiers)
+        ways[name] = summarize(play(engines[engine], trace, name, sps, tiers), tiers, caps)
         _progress(name, ways[name])
     tps: dict[str, list[float]] = {"kvlease": [], "kvlease-quiet": []}
     for i in range(repeats):
         for name in ("kvlease-quiet", "kvlease") if i % 2 else ("kvlease", "kvlease-quiet"):
-            result = summarize(play(engines[name], turns, name, sps, tiers), tiers)
+            result = summarize(play(engines[name], turns, name, sps, tiers), tiers, caps)
             tps[name].append(result["output_tokens_per_second"])
             if i == 0:
                 ways[name] = result
@@ -348,7 +359,10 @@ def markdown(result: dict) -> str:
     for way in ("alone", "fcfs", "priority", "kvlease", "lru"):
         for tier, t in ways[way]["tiers"].items():
             s, w = t["ttft_steps"], t["ttft_seconds"]
-            hit = "-" if t["leased_prefix_hit"] is None else f"{t['leased_prefix_hit']:.0%}"
+            hit = "-"
+            if t["leased_prefix_hit"] is not None:
+                bound = t["leased_prefix_cap_bound"]
+                hit = f"{t['leased_prefix_hit']:.0%} (caps allow {bound:.0%})"
             lines.append(
                 f"| {way} | {tier} | {t['requests']} | {s['mean']:.1f} / {s['p99']:.0f} / "
                 f"{s['max']:.0f} | {w['mean']:.2f} / {w['p99']:.2f} | {t['tpot_steps']:.2f} | "
