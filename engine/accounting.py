@@ -56,6 +56,8 @@ class TenantAccounting:
     offloaded_blocks: Counter[Tenant] = field(default_factory=Counter)  # gauge: off-device now
     # (tier, "reused" or "lost") -> prefix tokens a lease covered at a session's next turn
     lease_reuse_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # (tenant label, tier) -> [served, entitled] weighted tokens while backlogged
+    fair_share_tokens: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     last: Snapshot | None = None
 
     def sample(

@@ -378,7 +378,20 @@ class Authenticator:
         session_id = claims.get("session_id")
         if session_id is not None and not valid_id(session_id):
             raise _unauthorized("invalid_claim", f"'session_id' must be {ID_RULE}")
-        return TenantContext(tenant_id, tier, _roles(claims.get("roles", [])), session_id)
+        weight = claims.get("weight")
+        if weight is not None:
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+                raise _unauthorized("invalid_claim", "'weight' must be a number above 0")
+            if weight > self.tiers[tier].max_weight:
+                raise AuthError(
+                    403,
+                    "weight_not_allowed",
+                    f"weight {weight} is above tier {tier!r}'s max_weight "
+                    f"{self.tiers[tier].max_weight}",
+                )
+            weight = float(weight)
+        roles = _roles(claims.get("roles", []))
+        return TenantContext(tenant_id, tier, roles, session_id, weight)
 
 
 def _roles(raw: Any) -> frozenset[str]:
@@ -404,6 +417,7 @@ def mint_token(
     tier: str,
     roles: Iterable[str] = (),
     session_id: str | None = None,
+    weight: float | None = None,
     ttl_seconds: float = 3600,
     kid: str | None = None,
     settings: AuthSettings | None = None,
@@ -417,6 +431,11 @@ def mint_token(
             raise KeyConfigError(f"{what} id must be {ID_RULE}, got {value!r}")
     if tenant_id in RESERVED_TENANTS:
         raise KeyConfigError(f"tenant id {tenant_id!r} is reserved by kvlease")
+    if weight is not None and not 0 < weight <= tiers[tier].max_weight:
+        raise KeyConfigError(
+            f"weight must be above 0 and at most tier {tier!r}'s max_weight "
+            f"{tiers[tier].max_weight}, got {weight}"
+        )
     role_list = sorted(set(roles))
     unknown = set(role_list) - ROLES
     if unknown:
@@ -445,6 +464,8 @@ def mint_token(
         claims["roles"] = role_list
     if session_id is not None:
         claims["session_id"] = session_id
+    if weight is not None:
+        claims["weight"] = weight
     if settings.issuer:
         claims["iss"] = settings.issuer
     if settings.audience:

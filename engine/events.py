@@ -110,6 +110,18 @@ class Totals(msgspec.Struct):
     block_seconds: list[tuple[str, float]]
     offloaded_blocks: list[tuple[str, int]]
     lease_reuse_tokens: list[tuple[str, str, int]] = []  # tier, "reused" or "lost"
+    # tenant, tier, weighted tokens served and entitled while backlogged (engine.fairness)
+    fair_share_tokens: list[tuple[str, str, float, float]] = []
+
+
+class FairShareRow(msgspec.Struct):
+    """One tenant's place in its tier's fair share (engine.fairness), at a snapshot."""
+
+    tenant_id: str  # a label (engine.labels)
+    tier: str
+    counter: float  # virtual token counter: weighted service / weight
+    ratio: float | None  # served / entitled since the last snapshot (None: nothing served)
+    waiting: int  # its requests in the waiting queue
 
 
 class EngineState(msgspec.Struct):
@@ -128,6 +140,7 @@ class EngineState(msgspec.Struct):
     waiting_by_tier: dict[str, int]  # requests without tenant fields under "__unclassified__"
     events_dropped: int
     totals: Totals
+    fair_share: list[FairShareRow] = []  # backlogged tenants of every tier
 
 
 class Message(msgspec.Struct):

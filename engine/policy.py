@@ -9,8 +9,10 @@ Victim order among running requests (first = preempted first):
      so an engine serving no tenant behaves exactly like stock vLLM,
   2. non-leased before leased,
   3. lower tier first (larger priority number),
-  4. within a tier: `least_work` (fewest computed tokens first: cheapest to
-     recompute, the default) or `lru` (oldest activity first, the seed's rule),
+  4. within a tier: the tenant furthest above its fair share first (the largest
+     virtual token counter, engine.fairness), then `least_work` (fewest computed
+     tokens first: cheapest to recompute, the default) or `lru` (oldest activity
+     first, the seed's rule),
   5. ties: the later admission first (vLLM's own LIFO choice).
 
 Service order is not victim order: `running` is served in `service_key` order
@@ -47,6 +49,7 @@ class Candidate:
     last_activity: float
     computed_tokens: int
     seq: int  # arrival order, unique per request
+    counter: float = 0.0  # its tenant's virtual token counter (0 without fair share)
 
 
 def protection_rank(classified: bool, leased: bool, tier_priority: int) -> tuple[int, int, int]:
@@ -62,14 +65,21 @@ def keep_key(c: Candidate, rule: VictimRule) -> tuple:
     Total: `seq` is unique, so no two candidates compare equal. Unclassified
     requests keep vLLM's order (newest first), whatever the rule.
     """
-    within = within_class_key(rule, c.computed_tokens, c.last_activity) if c.classified else 0.0
+    within = (
+        within_class_key(rule, c.computed_tokens, c.last_activity, c.counter)
+        if c.classified
+        else (0.0, 0.0)
+    )
     return (*protection_rank(c.classified, c.leased, c.tier_priority), within, c.seq)
 
 
-def within_class_key(rule: VictimRule, computed_tokens: int, last_activity: float) -> float:
-    """Inside one class, larger = preempted first (ties: the later admission first).
-    Plain numbers, so the scheduler can scan `running` without building Candidates."""
-    return -computed_tokens if rule is VictimRule.LEAST_WORK else -last_activity
+def within_class_key(
+    rule: VictimRule, computed_tokens: int, last_activity: float, counter: float = 0.0
+) -> tuple[float, float]:
+    """Inside one class, larger = preempted first: the tenant furthest above its fair
+    share (largest counter), then by `rule` (ties: the later admission first). Plain
+    numbers, so the scheduler can scan `running` without building Candidates."""
+    return (counter, -computed_tokens if rule is VictimRule.LEAST_WORK else -last_activity)
 
 
 def victim_order(candidates: Iterable[Candidate], rule: VictimRule) -> list[Candidate]:

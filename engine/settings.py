@@ -24,6 +24,7 @@ KEYS = {
     "event_capacity": "KVLEASE_EVENT_CAPACITY",
     "effective_tflops": "KVLEASE_EFFECTIVE_TFLOPS",
     "host_link_gbps": "KVLEASE_HOST_LINK_GBPS",
+    "fair_share": "KVLEASE_FAIR_SHARE",
 }
 
 
@@ -40,6 +41,7 @@ class SchedulerSettings:
     event_capacity: int = 65536
     effective_tflops: float | None = None  # for the recompute-vs-offload cost model
     host_link_gbps: float | None = None  # GB/s device<->host, one way
+    fair_share: bool = True  # weighted VTC inside each tier (off: FIFO within a tier)
 
     @classmethod
     def load(
@@ -75,7 +77,8 @@ class SchedulerSettings:
             raise SettingsError(
                 f"{where('victim_rule')} must be 'lru' or 'least_work', got {raw['victim_rule']!r}"
             ) from None
-        debug = str(raw["debug_accounting"] or "0").lower() in ("1", "true", "yes", "on")
+        debug = _flag(raw["debug_accounting"], False, where("debug_accounting"))
+        fair = _flag(raw["fair_share"], True, where("fair_share"))
         capacity = number("event_capacity", 0, 65536)
         assert capacity is not None
         sample = number("sample_seconds", 0, 0.25)
@@ -88,4 +91,18 @@ class SchedulerSettings:
             event_capacity=int(capacity),
             effective_tflops=number("effective_tflops", 0, None),
             host_link_gbps=number("host_link_gbps", 0, None),
+            fair_share=fair,
         )
+
+
+def _flag(value: Any, default: bool, where: str) -> bool:
+    if value in (None, ""):
+        return default
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{where} must be true or false, got {value!r}")

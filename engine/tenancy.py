@@ -25,7 +25,9 @@ TIERS_ENV = "KVLEASE_TIERS"
 
 _TOP_KEYS = frozenset({"currency", "tiers"})
 _TIER_KEYS = frozenset({"priority", "lease_seconds", "leased_cache_cap", "prices"})
-_OPTIONAL_TIER_KEYS = frozenset({"max_concurrent_requests"})
+_OPTIONAL_TIER_KEYS = frozenset(
+    {"max_concurrent_requests", "weight", "max_weight", "max_tenant_kv_share"}
+)
 _PRICE_KEYS = ("input_per_1k", "cached_input_per_1k", "output_per_1k", "block_hour")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
@@ -67,6 +69,15 @@ class Tier:
     leased_cache_cap: float
     prices: Prices
     max_concurrent_requests: int | None = None  # per tenant; None: unlimited
+    weight: float = 1.0  # a tenant's fair-share weight within the tier (engine.fairness)
+    max_weight: float = 1.0  # the most a token's `weight` claim may ask for
+    max_tenant_kv_share: float = 1.0  # fraction of the pool one tenant may hold (1: no cap)
+
+    def tenant_weight(self, claimed: Any) -> float:
+        """A request's weight: its token's claim, bounded by the table, else the default."""
+        if isinstance(claimed, bool) or not isinstance(claimed, int | float) or claimed <= 0:
+            return self.weight
+        return min(float(claimed), self.max_weight)
 
 
 @dataclass(frozen=True)
@@ -82,10 +93,14 @@ class TenantContext:
     roles: frozenset[str] = field(default_factory=frozenset)
     session_id: str | None = None
 
-    def extra_args(self) -> dict[str, str]:
-        args = {"tenant_id": self.tenant_id, "tier": self.tier}
+    weight: float | None = None  # the token's fair-share weight claim (the tier bounds it)
+
+    def extra_args(self) -> dict[str, str | float]:
+        args: dict[str, str | float] = {"tenant_id": self.tenant_id, "tier": self.tier}
         if self.session_id is not None:
             args["session_id"] = self.session_id
+        if self.weight is not None:
+            args["weight"] = self.weight
         return args
 
 
@@ -209,7 +224,18 @@ def _parse_tier(name: str, body: Any, fail) -> Tier:
     limit = body.get("max_concurrent_requests")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise fail(f"{where}: 'max_concurrent_requests' must be an integer >= 1, got {limit!r}")
-    return Tier(name, priority, lease, cap, _parse_prices(body["prices"], where, fail), limit)
+    weight = _number(body.get("weight", 1.0), f"{where}: 'weight'", fail)
+    max_weight = _number(body.get("max_weight", weight), f"{where}: 'max_weight'", fail)
+    if not 0 < weight <= max_weight:
+        raise fail(f"{where}: need 0 < 'weight' <= 'max_weight', got {weight!r} and {max_weight!r}")
+    share = _number(body.get("max_tenant_kv_share", 1.0), f"{where}: 'max_tenant_kv_share'", fail)
+    if not 0.0 < share <= 1.0:
+        raise fail(
+            f"{where}: 'max_tenant_kv_share' is a fraction of the pool, above 0 and at "
+            f"most 1; got {share!r}"
+        )
+    prices = _parse_prices(body["prices"], where, fail)
+    return Tier(name, priority, lease, cap, prices, limit, weight, max_weight, share)
 
 
 def _parse_prices(body: Any, where: str, fail) -> Prices:

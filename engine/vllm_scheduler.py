@@ -57,6 +57,7 @@ from engine.events import (  # noqa: E402
     EngineState,
     EventBuffer,
     Eviction,
+    FairShareRow,
     Lease,
     LeaseEvent,
     LeaseSummary,
@@ -66,6 +67,7 @@ from engine.events import (  # noqa: E402
     TenantHolding,
     Totals,
 )
+from engine.fairness import INPUT_COST, OUTPUT_COST, Account, FairShare  # noqa: E402
 from engine.free_queue import FIRST_LEASED, Holder, TenantFreeBlockQueue  # noqa: E402
 from engine.labels import UNCLASSIFIED, TenantLabels  # noqa: E402
 from engine.leases import LeaseBook  # noqa: E402
@@ -82,7 +84,7 @@ from engine.policy import (  # noqa: E402
     within_class_key,
 )
 from engine.settings import SchedulerSettings, SettingsError  # noqa: E402
-from engine.waiting_queue import TenantWaitingQueue  # noqa: E402
+from engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
 
 logger = logging.getLogger("kvlease.scheduler")
 RUNNING = RequestStatus.RUNNING
@@ -108,12 +110,14 @@ class Tenancy:
     lease_cached: int = -1  # its prefix-cache hit when first scheduled (-1: not yet)
     recomputed_tokens: int = 0
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
+    account: Account | None = None  # its tenant's fair-share account in its tier
+    charged_until: int = 0  # tokens charged to the account at its last admission
 
     @property
     def session(self) -> Hashable:
         return (self.tenant_id, self.session_id)
 
-    def candidate(self, request: Request) -> Candidate:
+    def candidate(self, request: Request, counter: float) -> Candidate:
         return Candidate(
             classified=self.tenant_id is not None,
             leased=self.rank[1] == 0,
@@ -121,6 +125,7 @@ class Tenancy:
             last_activity=request.arrival_time,
             computed_tokens=request.num_computed_tokens,
             seq=self.key[1],
+            counter=counter,
         )
 
 
@@ -211,11 +216,26 @@ class TenantSchedulingMixin:
         self._last_sample = float("-inf")
         self._bucket = {name: i for i, name in enumerate(tiers)}  # tiers are in priority order
 
-        # vLLM's policy stays: each tier's waiting requests are in its order, and under
+        # vLLM's policy stays: each tenant's waiting requests are in its order, and under
         # PRIORITY vLLM picks its own victims by (priority, arrival) as stock does.
-        self.waiting = TenantWaitingQueue(
-            self._bucket_of, len(tiers) + 1, lambda: create_request_queue(self.policy)
-        )
+        # Within a tier, tenants take turns by fair share (engine.fairness).
+        self._shares = {name: FairShare() for name in tiers}
+        usable_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        self._kv_caps = {  # tiers whose tenants may each hold only part of the pool
+            tier.name: int(tier.max_tenant_kv_share * usable_blocks)
+            for tier in tiers.values()
+            if tier.max_tenant_kv_share < 1.0
+        }
+        request_blocks = -(-self.max_model_len // self.block_size)
+        for name, cap in self._kv_caps.items():
+            if cap < request_blocks:
+                raise SettingsError(
+                    f"tier {name!r}: max_tenant_kv_share lets one tenant hold {cap} of "
+                    f"{usable_blocks} KV blocks; one max_model_len request needs "
+                    f"{request_blocks}. Raise the share, lower max_model_len, or give the "
+                    f"engine more KV-cache blocks"
+                )
+        self.waiting = TenantWaitingQueue(self._bucket_of, len(tiers) + 1, self._make_bucket)
         self.running = _RunningList(self._admitted, self._service_key)
 
         pool = self.kv_cache_manager.block_pool
@@ -295,6 +315,52 @@ class TenantSchedulingMixin:
         pool.free_block_queue = queue
         return queue
 
+    def _make_bucket(self, rank: int) -> Any:
+        """Rank `rank`'s waiting queue: per tenant by fair share for a tier (unless
+        `fair_share` is off), vLLM's own queue for unclassified requests."""
+        tiers = list(self.settings.tiers)
+        vllm_queue = lambda: create_request_queue(self.policy)  # noqa: E731
+        if rank >= len(tiers) or not self.settings.fair_share:
+            return vllm_queue()
+        tier = tiers[rank]
+        skip = self._at_kv_cap if tier in self._kv_caps else None
+        return FairBucket(self._shares[tier], self._account_of, vllm_queue, skip)
+
+    def _account_of(self, request: Request) -> Account:
+        account = self._tenancy_of(request).account
+        assert account is not None, "only classified requests wait in a tier's bucket"
+        return account
+
+    # -- per-tenant KV cap -------------------------------------------------------
+
+    def _held_blocks(self, account: Account) -> tuple[int, bool]:
+        """Blocks a tenant holds in one tier (its requests' blocks and the leased blocks of
+        their sessions), and whether any of its requests runs. O(its requests); only tiers
+        with a `max_tenant_kv_share` below 1 ask."""
+        held, runs, holders = 0, False, set()
+        for request_id in account.requests:
+            blocks = len(self._blocks(request_id))
+            held += blocks
+            runs = runs or self.requests[request_id].status is RUNNING
+            holder = self._tenancy[request_id].holder
+            if holder is not None and holder not in holders:
+                holders.add(holder)
+                held += holder.leased
+        return held, runs
+
+    def _over_kv_cap(self, t: Tenancy, new_blocks: int) -> bool:
+        """Would `new_blocks` more take the tenant past its tier's cap? A tenant with
+        nothing running is never held back (the cap holds one max_model_len request), so
+        a capped tenant always makes progress and never waits on itself."""
+        assert t.account is not None and t.tier is not None
+        held, runs = self._held_blocks(t.account)
+        return runs and held + new_blocks > self._kv_caps[t.tier]
+
+    def _at_kv_cap(self, account: Account, head: Request) -> bool:
+        """Skip this tenant's waiting head for now (`FairBucket`): it would pass the cap."""
+        t = self._tenancy_of(head)
+        return self._over_kv_cap(t, -(-head.num_tokens // self.block_size))
+
     # -- the running list ----------------------------------------------------
 
     def _keep_running_list(self) -> None:
@@ -313,6 +379,10 @@ class TenantSchedulingMixin:
         t = self._tenancy_of(request)
         self._restore_offloaded(t)
         t.key = service_key(t.rank, next(self._admissions))
+        if t.account is not None:  # the prompt (or what a preemption lost) is charged now,
+            # so the next admission in this step already sees it (VTC charges at dispatch)
+            t.account.charge(INPUT_COST * (request.num_tokens - request.num_computed_tokens))
+            t.charged_until = request.num_tokens
         return t.key
 
     def _restore_offloaded(self, t: Tenancy) -> None:
@@ -378,6 +448,10 @@ class TenantSchedulingMixin:
             )
         holder.in_flight += 1
         tenancy.holder = holder
+        tenancy.account = self._shares[tier.name].account(
+            tenant_id, tier.tenant_weight(args.get("weight"))
+        )
+        tenancy.account.requests.add(request.request_id)
         change = self.leases.request_started(tenancy.session, tier.lease_seconds)
         if change is not None:
             if change.kind == "renew":
@@ -418,10 +492,23 @@ class TenantSchedulingMixin:
         finally:
             if held:
                 self.waiting.prepend_requests(held)
+        self._charge(output.num_scheduled_tokens)
         if self._awaiting_hit:
             self._note_lease_hits()
         self._report_evictions()
         return output
+
+    def _charge(self, scheduled: dict[str, int]) -> None:
+        """Generated tokens are their tenant's service as they are computed (the prompt was
+        charged at admission, `_admitted`). O(scheduled requests)."""
+        tenancy, requests = self._tenancy, self.requests
+        for request_id, tokens in scheduled.items():
+            t = tenancy.get(request_id)
+            if t is not None and t.account is not None:
+                after = requests[request_id].num_computed_tokens
+                new = after - max(after - tokens, t.charged_until)
+                if new > 0:
+                    t.account.charge(OUTPUT_COST * new)
 
     def _note_lease_hits(self) -> None:
         """A leased next turn just scheduled for the first time: keep its prefix-cache hit
@@ -485,7 +572,9 @@ class TenantSchedulingMixin:
         if manager.allocate_slots not in (self._allocate, self._wrapped_allocate):
             return  # somebody else's wrapper (a test's, a connector's): leave it in place
         tight = self._free_queue.free_unleased < len(self.running) + self._step_blocks
-        manager.allocate_slots = self._wrapped_allocate if tight else self._allocate
+        manager.allocate_slots = (
+            self._wrapped_allocate if tight or self._kv_caps else self._allocate
+        )
 
     def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots`, with the leases of more important tiers reserved from
@@ -493,6 +582,8 @@ class TenantSchedulingMixin:
         the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
         queue = self._free_queue
         running = request.status is RUNNING
+        if self._kv_caps and self._refused_by_kv_cap(request, running, args, kwargs):
+            return None
         if (
             running
             and len(args) == 1
@@ -513,6 +604,45 @@ class TenantSchedulingMixin:
             self._place_victim(request)
         return blocks
 
+    def _refused_by_kv_cap(
+        self, request: Request, running: bool, args: tuple, kwargs: dict
+    ) -> bool:
+        """The per-tenant KV cap: a tenant at its cap gets no new block. Its running request
+        then preempts the tenant's own cheapest request (maybe itself), never another's."""
+        t = self._tenancy_of(request)
+        if t.tier not in self._kv_caps or not args:
+            return False
+        tokens = args[0] + kwargs.get("num_lookahead_tokens", 0)
+        hit = kwargs.get("num_new_computed_tokens", 0)
+        whole = -(-(request.num_computed_tokens + hit + tokens) // self.block_size)
+        if not self._over_kv_cap(t, whole - len(self._blocks(request.request_id))):
+            return False
+        if running and self.policy == SchedulingPolicy.FCFS:
+            self._place_own_victim(request, t)
+        return True
+
+    def _counter(self, t: Tenancy) -> float:
+        """The victim rule's fair-share term: the tenant's counter, 0 with fair share off."""
+        return t.account.counter if t.account is not None and self.settings.fair_share else 0.0
+
+    def _place_own_victim(self, request: Request, t: Tenancy) -> None:
+        """Move the tenant's least-work running request not yet served this step (`request`
+        or one behind it) to the end, where vLLM's FCFS preemption takes its victim."""
+        running = self.running
+        best, best_key = -1, None
+        for i in range(len(running) - 1, -1, -1):
+            candidate = running[i]
+            if self._tenancy_of(candidate).account is t.account:
+                key = within_class_key(
+                    self.settings.victim_rule, candidate.num_computed_tokens, candidate.arrival_time
+                )
+                if best_key is None or key > best_key:
+                    best, best_key = i, key
+            if candidate is request:
+                break
+        if best >= 0:
+            list.append(running, running.pop(best))
+
     def _place_victim(self, request: Request) -> None:
         """Among the requests of the lowest class that vLLM has not yet served this step
         (`request` and those behind it), move the cheapest to lose to the end.
@@ -532,7 +662,9 @@ class TenantSchedulingMixin:
             if t.key[0] != last.key[0]:
                 break
             if self._request_blocks_can_be_freed(candidate):
-                key = within_class_key(rule, candidate.num_computed_tokens, candidate.arrival_time)
+                key = within_class_key(
+                    rule, candidate.num_computed_tokens, candidate.arrival_time, self._counter(t)
+                )
                 if best_key is None or key > best_key:
                     best, best_key = i, key
             if candidate is request:
@@ -565,7 +697,10 @@ class TenantSchedulingMixin:
                 break
             if self._request_blocks_can_be_freed(request):
                 lower.append(request)
-        candidates = [(self._tenancy_of(r).candidate(r), self._reclaimable(r)) for r in lower]
+        candidates = []
+        for r in lower:
+            t = self._tenancy_of(r)
+            candidates.append((t.candidate(r, self._counter(t)), self._reclaimable(r)))
         rule = self.settings.victim_rule
         chosen = admission_victims(head_t.rank, need, free, candidates, rule)
         if slot_short and not chosen and free >= need and candidates:
@@ -686,6 +821,9 @@ class TenantSchedulingMixin:
                 t.holder.deferred += 1
         self._restore_offloaded(t)
         del self._tenancy[request.request_id]
+        if t.account is not None:
+            t.account.requests.discard(request.request_id)
+            self._shares[t.tier].released(t.account)
         now = self.clock()
         holder = t.holder
         if holder is not None:
@@ -861,6 +999,7 @@ class TenantSchedulingMixin:
             snap = self.sample_accounting()
         now = self.clock()
         leases, summary = self._leases(now)
+        fair = self._fair_share_rows()  # before the totals: it adds to them
         acc = self.accounting
         return EngineState(
             at=now,
@@ -885,8 +1024,26 @@ class TenantSchedulingMixin:
                 block_seconds=list(acc.block_seconds.items()),
                 offloaded_blocks=list(acc.offloaded_blocks.items()),
                 lease_reuse_tokens=[(*k, n) for k, n in acc.lease_reuse_tokens.items()],
+                fair_share_tokens=[(*k, *v) for k, v in acc.fair_share_tokens.items()],
             ),
+            fair_share=fair,
         )
+
+    def _fair_share_rows(self) -> list[FairShareRow]:
+        """Every backlogged tenant's counter and fair-share ratio since the last snapshot;
+        the same service and entitlement are added to the cumulative totals."""
+        rows = []
+        books = self.accounting.fair_share_tokens
+        for tier, share in self._shares.items():
+            for tenant, (counter, served, entitled) in share.shares().items():
+                label = self._label(tenant)
+                book = books.setdefault((label, tier), [0.0, 0.0])
+                book[0] += served
+                book[1] += entitled
+                ratio = served / entitled if entitled > 0 else None
+                waiting = share.accounts[tenant].waiting
+                rows.append(FairShareRow(label, tier, counter, ratio, waiting))
+        return rows
 
     def _leases(self, now: float) -> tuple[list[Lease], dict[str, LeaseSummary]]:
         """The first MAX_LEASES_LISTED leases, and a summary per tenant label of all."""

@@ -40,6 +40,127 @@ class Fifo(deque):
         self.extend(kept)
 
 
+class FairBucket:
+    """One tier's waiting requests, one queue per tenant, admitted by fair share.
+
+    `peek_request`/`pop_request` take the head of the backlogged tenant with the smallest
+    virtual token counter (`engine.fairness.FairShare`), leaving out tenants that
+    `skip(account, its head request)` refuses (at its KV cap); within a tenant, vLLM's
+    own order (the queue `make_queue` builds).
+    Invariant: `_queues[tenant]` holds exactly that tenant's waiting requests, and a
+    tenant has a queue exactly while its account is backlogged. Costs: add and prepend
+    O(1) + O(log tenants) (FCFS), peek and pop O(log tenants) amortised.
+    A bucket whose every request belongs to a refused tenant is falsy (nothing in it may be
+    admitted now) while its `len` still counts them.
+    """
+
+    def __init__(
+        self,
+        share: Any,
+        account_of: Callable[[Request], Any],
+        make_queue: Callable[[], Any] = Fifo,
+        skip: Callable[[Any, Request], bool] | None = None,
+    ) -> None:
+        self._share = share
+        self._account_of = account_of
+        self._make_queue = make_queue
+        self._skip = skip
+        self._queues: dict[str, Any] = {}
+        self._len = 0
+        self._peeked: Any = None  # the account whose head the last peek showed
+
+    def _queue_of(self, request: Request) -> tuple[Any, Any]:
+        a = self._account_of(request)
+        q = self._queues.get(a.tenant)
+        if q is None:
+            q = self._queues[a.tenant] = self._make_queue()
+        return a, q
+
+    def add_request(self, request: Request) -> None:
+        a, q = self._queue_of(request)
+        q.add_request(request)
+        self._len += 1
+        self._share.enqueued(a)
+        self._peeked = None  # a new head may come first
+
+    def prepend_request(self, request: Request) -> None:
+        """vLLM puts a preempted request back: the front of its tenant's queue, and its
+        tenant keeps its counter (it was served, not idle)."""
+        a, q = self._queue_of(request)
+        q.prepend_request(request)
+        self._len += 1
+        self._share.enqueued(a, returning=True)
+        self._peeked = None
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.prepend_request(request)
+
+    def _refused(self, a: Any) -> bool:
+        return self._skip(a, self._queues[a.tenant].peek_request())
+
+    def _head(self) -> tuple[Any, Any]:
+        a = self._share.next(self._refused if self._skip else None)
+        if a is None:
+            raise IndexError("no waiting request may be admitted")
+        return a, self._queues[a.tenant]
+
+    def peek_request(self) -> Request:
+        a, q = self._head()
+        self._peeked = a
+        return q.peek_request()
+
+    def pop_request(self) -> Request:
+        """The request `peek_request` showed: vLLM allocates for it between the two calls,
+        which may bring its tenant to its cap, and must still get that request."""
+        a = self._peeked
+        self._peeked = None
+        if a is None or a.tenant not in self._queues:
+            a = self._head()[0]
+        q = self._queues[a.tenant]
+        request = q.pop_request()
+        self._left(a, q, 1)
+        return request
+
+    def remove_request(self, request: Request) -> None:
+        a, q = self._queue_of(request)
+        q.remove_request(request)
+        self._left(a, q, 1)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        by_tenant: dict[str, list[Request]] = {}
+        for request in requests:
+            by_tenant.setdefault(self._account_of(request).tenant, []).append(request)
+        for tenant, gone in by_tenant.items():
+            q = self._queues.get(tenant)
+            if q is not None:
+                before = len(q)
+                q.remove_requests(gone)
+                self._left(self._account_of(gone[0]), q, before - len(q))
+
+    def _left(self, a: Any, q: Any, n: int) -> None:
+        self._peeked = None
+        self._len -= n
+        for _ in range(n):
+            self._share.dequeued(a)
+        if not q:
+            del self._queues[a.tenant]
+
+    def __bool__(self) -> bool:
+        if not self._len:
+            return False
+        return self._skip is None or self._share.next(self._refused) is not None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        """Tenants by counter, each in its own order (O(n log tenants), for inspection)."""
+        accounts = self._share.accounts
+        order = sorted(self._queues, key=lambda tenant: accounts[tenant].counter)
+        return chain.from_iterable(self._queues[tenant] for tenant in order)
+
+
 class TenantWaitingQueue:
     """One request queue per rank (0 = served first).
 
@@ -54,15 +175,17 @@ class TenantWaitingQueue:
         self,
         rank_of: Callable[[Request], int],
         num_ranks: int,
-        make_bucket: Callable[[], Any] = Fifo,
+        make_bucket: Callable[[int], Any] = lambda rank: Fifo(),
     ) -> None:
         self._rank_of = rank_of
-        self._buckets = [make_bucket() for _ in range(num_ranks)]
+        self._buckets = [make_bucket(rank) for rank in range(num_ranks)]
         self._len = 0
+        self._peeked: Any = None  # the bucket the last peek showed
 
     def add_request(self, request: Request) -> None:
         self._buckets[self._rank_of(request)].add_request(request)
         self._len += 1
+        self._peeked = None  # a new head may come first
 
     def _first_bucket(self) -> Any:
         for bucket in self._buckets:
@@ -71,16 +194,22 @@ class TenantWaitingQueue:
         raise IndexError("pop from an empty queue")
 
     def pop_request(self) -> Request:
-        request = self._first_bucket().pop_request()
+        """The request the last `peek_request` showed (see `FairBucket.pop_request`)."""
+        bucket, self._peeked = self._peeked, None
+        if bucket is None or not len(bucket):
+            bucket = self._first_bucket()
+        request = bucket.pop_request()
         self._len -= 1
         return request
 
     def peek_request(self) -> Request:
-        return self._first_bucket().peek_request()
+        self._peeked = self._first_bucket()
+        return self._peeked.peek_request()
 
     def prepend_request(self, request: Request) -> None:
         self._buckets[self._rank_of(request)].prepend_request(request)
         self._len += 1
+        self._peeked = None
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
         """Like vLLM's: one at a time, so under FCFS the last given ends up first."""
@@ -90,16 +219,23 @@ class TenantWaitingQueue:
     def remove_request(self, request: Request) -> None:
         self._buckets[self._rank_of(request)].remove_request(request)
         self._len -= 1
+        self._peeked = None
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
-        gone = set(requests)
-        for bucket in self._buckets:
+        by_rank: dict[int, list[Request]] = {}
+        for request in requests:
+            by_rank.setdefault(self._rank_of(request), []).append(request)
+        for rank, gone in by_rank.items():
+            bucket = self._buckets[rank]
             before = len(bucket)
             bucket.remove_requests(gone)
             self._len -= before - len(bucket)
+        self._peeked = None
 
     def __bool__(self) -> bool:
-        return self._len > 0
+        """Whether a request may be admitted now: a fair bucket whose tenants are all at
+        their KV cap holds requests that must wait (`len` still counts them)."""
+        return self._len > 0 and any(self._buckets)
 
     def __len__(self) -> int:
         return self._len

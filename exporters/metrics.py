@@ -118,6 +118,28 @@ LEASE_REUSE = Family(
     ("tier", "outcome"),
 )
 LEASE_HIT_ALERT = 0.90  # a tier's lease hit ratio under this for 10 min fires the alert
+FAIR_COUNTER = Family(
+    "vllm_tenant_fair_counter",
+    "gauge",
+    "Virtual token counter of a tenant waiting for service in its tier: weighted tokens "
+    "served (prompt 1, generated 2) over its weight; the smallest is admitted next.",
+    ("tenant_id", "tier"),
+)
+FAIR_SERVED = Family(
+    "vllm_tenant_fair_served_tokens_total",
+    "counter",
+    "Weighted tokens (prompt 1, generated 2) a tenant was served while it had requests "
+    "waiting. Over vllm_tenant_fair_entitled_tokens_total: its fair-share ratio.",
+    ("tenant_id", "tier"),
+)
+FAIR_ENTITLED = Family(
+    "vllm_tenant_fair_entitled_tokens_total",
+    "counter",
+    "A tenant's weight's part of the weighted tokens served to every tenant of its tier "
+    "with requests waiting, over the same time.",
+    ("tenant_id", "tier"),
+)
+FAIR_SHARE_ALERT = 0.5  # served / entitled under this for 10 min fires the alert
 BLOCK_SECONDS = Family(
     "vllm_tenant_kv_block_seconds_total",
     "counter",
@@ -201,6 +223,9 @@ FAMILIES = (
     CACHED_EVICTIONS,
     SWAPPED_BLOCKS,
     LEASE_REUSE,
+    FAIR_COUNTER,
+    FAIR_SERVED,
+    FAIR_ENTITLED,
     BLOCK_SECONDS,
     TOKENS,
     REQUESTS,
@@ -341,6 +366,11 @@ class TenantMetrics:
             tokens[(tenant, "recomputed")] += n
         for tier, outcome, n in sorted(totals.lease_reuse_tokens):
             fam[LEASE_REUSE.name].add_metric([tier, outcome], n)
+        for tenant, tier, served, entitled in sorted(totals.fair_share_tokens):
+            fam[FAIR_SERVED.name].add_metric([tenant, tier], served)
+            fam[FAIR_ENTITLED.name].add_metric([tenant, tier], entitled)
+        for row in state.fair_share:
+            fam[FAIR_COUNTER.name].add_metric([row.tenant_id, row.tier], row.counter)
 
     def _priority(self, tier: str | None) -> str:
         return str(self.tiers[tier].priority) if tier in self.tiers else "none"

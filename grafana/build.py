@@ -88,6 +88,14 @@ def lease_hit_ratio(sel: str, window: str, by: str = "tier") -> str:
     )
 
 
+def fair_share_ratio(sel: str, window: str, by: str = "tenant_id, tier") -> str:
+    """Served / entitled weighted tokens while backlogged: 1 is a tenant's fair share."""
+    return (
+        f"{_sum('increase', m.FAIR_SERVED.name, by, sel, window)} / "
+        f"{_sum('increase', m.FAIR_ENTITLED.name, by, sel, window)}"
+    )
+
+
 def kv_cache_panels() -> list[Panel]:
     used = f"1 - sum({m.FREE_BLOCKS.name}{{{SEL}}}) / sum({m.POOL_BLOCKS.name}{{{SEL}}})"
     return [
@@ -133,6 +141,14 @@ def kv_cache_panels() -> list[Panel]:
             "(computed again).",
             _q(_sum("rate", m.LEASE_REUSE.name, "tier, outcome", TIER), "{{tier}} {{outcome}}"),
             stacked=True,
+        ),
+        Panel(
+            "Fair share within the tier",
+            "Each waiting tenant's service over its fair share of its tier (weighted tokens "
+            "served while it had requests waiting, over its weight's part of its tier's): "
+            "1 is its share, under 1 it got less. "
+            f"The alert fires under {m.FAIR_SHARE_ALERT} for 10 minutes.",
+            _q(fair_share_ratio(TENANT, "$__rate_interval"), "{{tenant_id}} ({{tier}})"),
         ),
         Panel(
             "Active leases by tenant",
@@ -529,6 +545,21 @@ def alert_rules(tiers: TierTable) -> list[dict[str, Any]]:
                 f"the prefix their lease was keeping (under {m.LEASE_HIT_ALERT:.0%} for 10 "
                 "minutes): the tier's leased_cache_cap is smaller than its sessions' "
                 "contexts, or the pool is too small for the leases it must honour.",
+            },
+        },
+        {
+            "alert": "KvleaseFairShareLow",
+            "expr": f"{fair_share_ratio('', '10m', 'job, instance, tenant_id, tier')} "
+            f"< {m.FAIR_SHARE_ALERT}",
+            "for": "10m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Tenant {{ $labels.tenant_id }} ({{ $labels.tier }}) gets under "
+                f"{m.FAIR_SHARE_ALERT:.0%} of its fair share on {{{{ $labels.instance }}}}",
+                "description": "While it had requests waiting, it was served "
+                "{{ $value | humanizePercentage }} of its weight's part of its tier's service "
+                "for 10 minutes: a per-tenant KV cap (max_tenant_kv_share) or preemptions "
+                "hold it back, or fair share is off (KVLEASE_FAIR_SHARE).",
             },
         },
         {

@@ -36,6 +36,9 @@ def _build_parser() -> argparse.ArgumentParser:
     token.add_argument("--tier", required=True, help="a tier name from the tier table")
     token.add_argument("--roles", default="", help="comma-separated: admin, finance")
     token.add_argument("--session", default=None, help="chat session id (optional)")
+    token.add_argument(
+        "--weight", type=float, default=None, help="fair-share weight (<= the tier max_weight)"
+    )
     token.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds (3600)")
     token.add_argument("--kid", default=None, help="signing key id in the key ring")
     token.add_argument("--jwt-keys", default=None, help="JWKS key-ring file ($KVLEASE_JWT_KEYS)")
@@ -123,6 +126,7 @@ def _token(args: argparse.Namespace) -> int:
             tier=args.tier,
             roles=roles,
             session_id=args.session,
+            weight=args.weight,
             ttl_seconds=args.ttl,
             kid=args.kid,
             settings=AuthSettings.from_env(),

@@ -140,6 +140,15 @@ def test_claims_of_the_wrong_shape_are_invalid(auth, secret, bad):
     assert (err.status, err.code) == (401, "invalid_claim")
 
 
+def test_a_weight_claim_is_checked_against_the_tier(auth, secret, hs_ring, tiers):
+    assert _refused(auth, _sign(secret, _claims(weight="heavy"))).code == "invalid_claim"
+    assert _refused(auth, _sign(secret, _claims(weight=0))).status == 401
+    above = _refused(auth, _sign(secret, _claims(weight=tiers["premium"].max_weight + 1)))
+    assert (above.status, above.code) == (403, "weight_not_allowed")
+    token = mint_token(hs_ring, tiers, tenant_id="acme", tier="premium", weight=1.0)
+    assert auth.authenticate(f"Bearer {token}").extra_args()["weight"] == 1.0
+
+
 def test_unknown_kid_is_refused(auth, secret):
     err = _refused(auth, _sign(secret, _claims(), headers={"kid": "2019-key"}))
     assert (err.status, err.code) == (401, "unknown_kid")

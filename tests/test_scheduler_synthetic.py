@@ -13,6 +13,7 @@ from engines import recording
 
 from bench.synthetic import make_request, make_scheduler, step
 from engine.events import TenantHolding
+from engine.fairness import INPUT_COST, OUTPUT_COST
 from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
 
 TIERS = ("premium", "standard", "free")
@@ -71,10 +72,11 @@ def test_running_is_served_by_class_then_admission_every_step(cls, demo_model):
 @pytest.mark.parametrize(
     ("rule", "first_victim"), [("lru", "old-long"), ("least_work", "new-short")]
 )
-def test_victim_within_a_tier_follows_the_configured_rule(rule, first_victim, demo_model):
+def test_victim_within_a_tenant_follows_the_configured_rule(rule, first_victim, demo_model):
+    """Two requests of one tenant (one fair-share counter): the rule picks between them."""
     scheduler = _scheduler(TenantAwareScheduler, demo_model, victim_rule=rule)
-    old_long = make_request("old-long", "free", 300, 200, arrival=1.0)
-    new_short = make_request("new-short", "free", 40, 200, arrival=2.0)
+    old_long = make_request("free-1", "free", 300, 200, arrival=1.0)
+    new_short = make_request("free-1", "free", 40, 200, arrival=2.0)
     for request in (old_long, new_short):
         scheduler.add_request(request)
     step(scheduler)
@@ -82,7 +84,8 @@ def test_victim_within_a_tier_follows_the_configured_rule(rule, first_victim, de
     scheduler.add_request(vip)
     out = step(scheduler)
     [first, *_] = [e for e in scheduler.events.drain() if type(e).__name__ == "Preemption"]
-    assert (first.tenant_id, first.reason) == (first_victim, "admit_higher_tier")
+    names = {old_long.request_id: "old-long", new_short.request_id: "new-short"}
+    assert (names[first.request_id], first.reason) == (first_victim, "admit_higher_tier")
     assert vip.request_id in out.num_scheduled_tokens  # admitted in the same step
     assert first.request_id not in out.num_scheduled_tokens  # no thrash: the victim sits out
     assert first.request_id in {r.request_id for r in scheduler.waiting}
@@ -355,3 +358,91 @@ def test_frees_vllm_defers_past_an_in_flight_step_stay_counted_and_owned(demo_mo
     assert holder.leased == 3  # its three full blocks, under the premium lease
     scheduler._free_queue.check()
     assert scheduler.state().tenants["pam"].running == 0
+
+
+def _served(scheduler, tenants) -> dict[str, int]:
+    return {
+        t: sum(
+            r.num_computed_tokens
+            for r in scheduler.requests.values()
+            if r.sampling_params.extra_args.get("tenant_id") == t
+        )
+        for t in tenants
+    }
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_heavy_tenant_of_a_tier_gets_its_share_not_ten_times_it(cls, demo_model):
+    """One tier, a tenant sending ten times as many requests as the other, on a pool that
+    holds 11 of the 22: the light tenant is admitted at once, not behind the heavy one's
+    backlog, and the counters of the two while both wait stay within VTC's bound for
+    continuous batching, 2 x (largest prompt + 2 x the tokens the pool holds)."""
+    scheduler = _scheduler(cls, demo_model, blocks=24)
+    heavy = [make_request("heavy", "free", 64, 32) for _ in range(20)]
+    light = [make_request("light", "free", 64, 32) for _ in range(2)]
+    for request in heavy + light:
+        scheduler.add_request(request)
+    step(scheduler)
+    admitted = {r.request_id for r in scheduler.running}
+    assert {r.request_id for r in light} <= admitted  # not behind the heavy tenant's 20
+    share = scheduler._shares["free"]
+    bound = 2 * (64 * INPUT_COST + OUTPUT_COST * 23 * 32)
+    while scheduler.has_requests():
+        waiting = {a.tenant: a.counter for a in share.accounts.values() if a.waiting}
+        if len(waiting) == 2:
+            assert abs(waiting["heavy"] - waiting["light"]) <= bound
+        step(scheduler)
+
+
+def test_fair_share_off_serves_a_tier_first_come_first_served(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, blocks=24, fair_share=False)
+    heavy = [make_request("heavy", "free", 64, 32) for _ in range(20)]
+    light = make_request("light", "free", 64, 32)
+    for request in [*heavy, light]:
+        scheduler.add_request(request)
+    step(scheduler)
+    assert light.request_id not in {r.request_id for r in scheduler.running}
+    _run(scheduler)
+
+
+def _capped_tiers(tmp_path: Path, share: float) -> str:
+    from importlib import resources
+
+    text = resources.files("engine").joinpath("tiers.toml").read_text()
+    text = text.replace("[tiers.free]\n", f"[tiers.free]\nmax_tenant_kv_share = {share}\n")
+    path = tmp_path / "tiers.toml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_tenant_at_its_kv_cap_waits_or_preempts_itself_never_another(cls, demo_model, tmp_path):
+    tiers = _capped_tiers(tmp_path, 0.25)
+    scheduler = make_scheduler(
+        recording(cls), demo_model, 64, max_model_len=256,
+        kvlease={"debug_accounting": True, "tiers": tiers},
+    )  # fmt: skip
+    cap = scheduler._kv_caps["free"]
+    hog = [make_request("hog", "free", 100, 150) for _ in range(6)]
+    small = [make_request("small", "free", 100, 150)]  # 8 blocks at most: under its cap
+    for request in hog + small:
+        scheduler.add_request(request)
+
+    def within_cap(s):
+        account = s._shares["free"].accounts.get("hog")
+        if account is not None:
+            assert s._held_blocks(account)[0] <= cap
+
+    _run(scheduler, each_step=within_cap)
+    assert all(r.num_preemptions == 0 for r in small)  # the hog paid for itself
+    assert any(r.num_preemptions for r in hog) or scheduler.preemptions == []
+
+
+def test_a_kv_share_too_small_for_one_request_is_refused_at_start(demo_model, tmp_path):
+    from engine.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="max_tenant_kv_share lets one tenant hold 6 of 63"):
+        make_scheduler(
+            TenantAwareScheduler, demo_model, 64, max_model_len=256,
+            kvlease={"tiers": _capped_tiers(tmp_path, 0.1)},
+        )  # fmt: skip

@@ -109,6 +109,15 @@ def test_missing_file_names_the_path(tmp_path):
             lambda s: s.replace("priority = 5", "priority = 5\nmax_concurrent_requests = 0"),
             "'max_concurrent_requests' must be an integer >= 1",
         ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nweight = 2\nmax_weight = 1"),
+            "need 0 < 'weight' <= 'max_weight'",
+        ),
+        (lambda s: s.replace("priority = 5", "priority = 5\nweight = 0"), "need 0 < 'weight'"),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nmax_tenant_kv_share = 0"),
+            "'max_tenant_kv_share' is a fraction of the pool",
+        ),
     ],
 )
 def test_invalid_tier_files_fail_with_a_precise_message(tmp_path, edit, message):
@@ -124,3 +133,16 @@ def test_tenant_context_extra_args_is_the_scheduler_contract():
     assert TenantContext("acme", "premium").extra_args() == {"tenant_id": "acme", "tier": "premium"}
     ctx = TenantContext("acme", "free", frozenset({"admin"}), "s-1")
     assert ctx.extra_args() == {"tenant_id": "acme", "tier": "free", "session_id": "s-1"}
+
+
+def test_a_token_weight_is_bounded_by_the_tier_table():
+    tier = TierTable.from_toml(
+        VALID.replace("priority = 5", "priority = 5\nweight = 1.5\nmax_weight = 4")
+    )["bronze"]
+    assert (tier.weight, tier.max_weight, tier.max_tenant_kv_share) == (1.5, 4.0, 1.0)
+    assert tier.tenant_weight(None) == 1.5  # no claim: the tier's default
+    assert tier.tenant_weight(3) == 3.0
+    assert tier.tenant_weight(100) == 4.0  # a plain vLLM caller cannot buy more than the cap
+    assert tier.tenant_weight("lots") == tier.tenant_weight(-1) == tier.tenant_weight(True) == 1.5
+    ctx = TenantContext("acme", "bronze", weight=3.0)
+    assert ctx.extra_args() == {"tenant_id": "acme", "tier": "bronze", "weight": 3.0}

@@ -1,0 +1,166 @@
+"""Fair share inside a tier: the weighted Virtual Token Counter.
+
+Sheng et al., "Fairness in Serving Large Language Models" (OSDI '24,
+arXiv 2401.00588). Each tenant of a tier has a counter of the service it has
+received, divided by its weight; the next waiting request comes from the
+backlogged tenant (one with a request waiting) with the smallest counter; a
+tenant that becomes backlogged again is lifted to the smallest backlogged
+counter, so time spent idle banks no credit. Between two backlogged tenants the
+counters then stay within a small multiple of the largest request's cost, and
+the rule is work-conserving: it only orders requests, it never holds one back.
+
+Service is weighted as in the paper: a prompt token costs `INPUT_COST`, a
+generated token `OUTPUT_COST` (decoding holds the engine for a step a token).
+Tokens recomputed after a preemption are service too: the engine did the work.
+
+Plain Python, no vLLM: the scheduler adapter charges service and the waiting
+queue (`engine.waiting_queue.FairBucket`) asks `FairShare` whom to admit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+INPUT_COST = 1.0
+OUTPUT_COST = 2.0
+
+
+@dataclass(slots=True, eq=False)
+class Account:
+    """One tenant's counter in one tier. `counter` is weighted service: it only grows
+    (by `FairShare.charge` and the lift), so a heap entry older than it is stale."""
+
+    tenant: str
+    weight: float
+    counter: float = 0.0
+    waiting: int = 0  # its requests in the waiting queue: backlogged while > 0
+    in_flight: int = 0  # its requests the engine holds (waiting, running or preempted)
+    served: float = 0.0  # unweighted service, cumulative
+    mark: float = 0.0  # `served` when the current fair-share window began
+    requests: set[str] = field(default_factory=set)  # ids in flight (kept by the caller)
+
+    def charge(self, tokens: float) -> None:
+        """`tokens` of service, INPUT_COST / OUTPUT_COST already applied. O(1)."""
+        self.served += tokens
+        self.counter += tokens / self.weight
+
+
+@dataclass
+class FairShare:
+    """The virtual token counters of one tier's tenants.
+
+    Invariants:
+    - every backlogged account has an entry `(counter, seq, account)` in `_heap` whose
+      counter is at most its current one; entries of accounts no longer backlogged, and
+      stale ones, are dropped or refreshed when they reach the top. Since counters never
+      fall, the first fresh top entry is the smallest backlogged counter.
+    - `floor` is the smallest backlogged counter when last looked at; an account that
+      becomes backlogged is lifted to at least the current smallest (or to `floor` when
+      nobody is backlogged), so idleness banks no credit.
+    - an account with nothing in flight whose counter is at or under `floor` is forgotten:
+      it would be lifted to the floor on return anyway. Memory: O(tenants in flight +
+      idle tenants still above the floor).
+    Costs: `charge` O(1); `enqueued` O(log n); `next` O(log n) amortised (each stale
+    entry is refreshed once per change of its counter); `released` O(log n).
+    """
+
+    accounts: dict[str, Account] = field(default_factory=dict)
+    floor: float = 0.0
+    _heap: list[tuple[float, int, Account]] = field(default_factory=list)
+    _idle: list[tuple[float, int, Account]] = field(default_factory=list)
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def account(self, tenant: str, weight: float) -> Account:
+        """The tenant's account, opened if new (at the floor: a newcomer is lifted anyway)."""
+        a = self.accounts.get(tenant)
+        if a is None:
+            a = self.accounts[tenant] = Account(tenant, weight, self.floor)
+        a.weight = weight  # the latest request's weight (a token may carry a new one)
+        a.in_flight += 1
+        return a
+
+    def released(self, a: Account) -> None:
+        """One of its requests left the engine; forget the account once idle at the floor."""
+        a.in_flight -= 1
+        if a.in_flight == 0:
+            heapq.heappush(self._idle, (a.counter, next(self._seq), a))
+            self._forget_idle()
+
+    def enqueued(self, a: Account, returning: bool = False) -> None:
+        """A request of `a` joined the waiting queue: new, or `returning` after a
+        preemption. A tenant that becomes backlogged with a new request is lifted to the
+        smallest backlogged counter (idleness banks no credit); one whose running request
+        was preempted was not idle, and keeps its counter."""
+        a.waiting += 1
+        if a.waiting == 1:  # backlogged again: compete from its (lifted) counter
+            a.mark = a.served
+            if not returning:
+                smallest = self._smallest()
+                a.counter = max(a.counter, self.floor if smallest is None else smallest.counter)
+            heapq.heappush(self._heap, (a.counter, next(self._seq), a))
+
+    def dequeued(self, a: Account) -> None:
+        """A request of `a` left the waiting queue (admitted or aborted)."""
+        a.waiting -= 1
+
+    def next(self, skip: Callable[[Account], bool] | None = None) -> Account | None:
+        """The backlogged account with the smallest counter, leaving out those `skip`
+        refuses (tenants at their KV cap); None when nobody else is backlogged."""
+        smallest = self._smallest()
+        if skip is None or smallest is None or not skip(smallest):
+            return smallest
+        held: list[tuple[float, int, Account]] = []
+        found = None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            a = entry[2]
+            if a.waiting == 0 or entry[0] < a.counter:
+                if a.waiting:
+                    heapq.heappush(self._heap, (a.counter, next(self._seq), a))
+                continue
+            held.append(entry)
+            if not skip(a):
+                found = a
+                break
+        for entry in held:
+            heapq.heappush(self._heap, entry)
+        return found
+
+    def _smallest(self) -> Account | None:
+        heap = self._heap
+        while heap:
+            counter, _, a = heap[0]
+            if a.waiting == 0:
+                heapq.heappop(heap)
+            elif counter < a.counter:
+                heapq.heapreplace(heap, (a.counter, next(self._seq), a))
+            else:
+                if counter > self.floor:
+                    self.floor = counter
+                    self._forget_idle()
+                return a
+        return None
+
+    def _forget_idle(self) -> None:
+        idle = self._idle
+        while idle and idle[0][0] <= self.floor:
+            counter, _, a = heapq.heappop(idle)
+            if a.in_flight == 0 and a.counter == counter and self.accounts.get(a.tenant) is a:
+                del self.accounts[a.tenant]
+
+    def shares(self) -> dict[str, tuple[float, float, float]]:
+        """Per backlogged tenant: its counter, the service it received since the last call
+        (or since it became backlogged), and its entitlement over the same time: its
+        weight's part of what every backlogged tenant of the tier received. Served over
+        entitled is its fair-share ratio: 1.0 its share exactly, 0.5 half of it."""
+        backlogged = [a for a in self.accounts.values() if a.waiting]
+        total = sum(a.served - a.mark for a in backlogged)
+        weights = sum(a.weight for a in backlogged)
+        out: dict[str, tuple[float, float, float]] = {}
+        for a in backlogged:
+            out[a.tenant] = (a.counter, a.served - a.mark, total * a.weight / weights)
+            a.mark = a.served
+        return out
