@@ -30,6 +30,7 @@ test: $(STAMP) deb
 bench: $(STAMP)
 	$(PY) -m bench.policy $(BENCH_ARGS)
 	$(PY) -m bench.overhead $(BENCH_ARGS)
+	$(PY) -m bench.fairness $(BENCH_ARGS)
 	$(PY) -m bench.soak $(BENCH_ARGS)
 	$(PY) -m bench.ledger $(BENCH_ARGS)
 

@@ -96,10 +96,12 @@ def start_engine(
     policy: str,
     pool: int,
     kvlease: dict[str, Any] | None = None,
+    max_len: int | None = None,
     **kw: Any,
 ) -> Engine:
     """A started engine whose scheduler is `observed(scheduler_cls)`; `kvlease` is the
-    scheduler's `additional_config.kvlease` (e.g. the victim rule)."""
+    scheduler's `additional_config.kvlease` (e.g. the victim rule); `max_len` overrides
+    the longest request the lease caps allow (`max_model_len`)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -108,7 +110,7 @@ def start_engine(
         model=model,
         enforce_eager=True,
         block_size=BLOCK_SIZE,
-        max_model_len=max_model_len(pool),
+        max_model_len=max_len or max_model_len(pool),
         num_gpu_blocks_override=pool,
         enable_prefix_caching=True,
         seed=0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import UTC, date, datetime, timedelta
 
+import pandas as pd
 import streamlit as st
 
 from dashboard import charts, data
@@ -105,6 +106,21 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
     st.plotly_chart(charts.occupancy_area(data.top_occupancy(live.occupancy, keep)), key="blocks")
     st.plotly_chart(charts.events_timeline(live.events), key="events")
     st.plotly_chart(charts.lease_hit_lines(data.lease_hit_series(live.lease_reuse)), key="lease")
+    fair = data.fair_share_table(live.fair_share, pd.Timestamp.now(tz="UTC"))
+    st.markdown(
+        "**Fair share within each tier** (tenants that waited; 1 is a tenant's share, "
+        "under 1 it was served less than its weight entitles it to)"
+    )
+    st.dataframe(
+        fair,
+        hide_index=True,
+        column_config={
+            "tenant_id": "tenant",
+            "now": st.column_config.NumberColumn("last minute", format="%.2f"),
+            "window": st.column_config.NumberColumn("window", format="%.2f"),
+        },
+    )
+    st.plotly_chart(charts.fair_share_bars(fair), key="fair")
 
 
 def usage_page() -> None:

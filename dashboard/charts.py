@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from dashboard.data import STATES
 from engine.tenancy import TierTable
-from exporters.metrics import LEASE_HIT_ALERT
+from exporters.metrics import FAIR_SHARE_ALERT, LEASE_HIT_ALERT
 
 PALETTE = ("#6f42c1", "#1f77b4", "#9aa0a6", "#2ca02c", "#ff7f0e", "#8c564b")  # by importance
 
@@ -83,6 +83,28 @@ def lease_hit_lines(series: pd.DataFrame) -> go.Figure:
     )
     fig.add_hline(y=LEASE_HIT_ALERT, line_color="#d62728", line_dash="dot")
     fig.update_layout(height=300, yaxis={"range": [0, 1.05], "tickformat": ".0%"})
+    return fig
+
+
+def fair_share_bars(table: pd.DataFrame, top: int = 30) -> go.Figure:
+    """Each waiting tenant's fair-share ratio over the window (1: its share), lowest
+    first, with the line under which the alert rule fires."""
+    title = "Fair share within the tier: service / entitled while waiting (1 = its share)"
+    if table.empty:
+        return _empty(title, "No tier had two tenants waiting at once in this window.")
+    shown = table.head(top)
+    fig = px.bar(
+        shown,
+        x="tenant_id",
+        y="window",
+        color="tier",
+        color_discrete_map=TIER_COLORS,
+        labels={"tenant_id": "", "window": "served / entitled", "tier": "tier"},
+        title=title,
+    )
+    fig.add_hline(y=1.0, line_color="#7f7f7f", line_dash="dash")
+    fig.add_hline(y=FAIR_SHARE_ALERT, line_color="#d62728", line_dash="dot")
+    fig.update_layout(height=300)
     return fig
 
 

@@ -54,6 +54,7 @@ TENANT_COLUMNS = [
 ]
 EVENT_COLUMNS = ["t", "kind", "tier", "reason", "n"]
 LEASE_COLUMNS = ["t", "tier", "reused", "lost"]  # prefix tokens of leased next turns, per interval
+FAIR_COLUMNS = ["t", "tenant_id", "tier", "served", "entitled"]  # weighted tokens, per interval
 POOL_STATES = (*STATES, "empty")  # the pool bar, bottom up
 
 
@@ -95,7 +96,8 @@ class Config:
 class Live:
     """One refresh of the live page. `occupancy` has OCCUPANCY_COLUMNS (t as UTC
     datetimes), `tenants` TENANT_COLUMNS, `events` EVENT_COLUMNS (n: preempted
-    requests, or evicted blocks), `lease_reuse` LEASE_COLUMNS (tokens per interval)."""
+    requests, or evicted blocks), `lease_reuse` LEASE_COLUMNS (tokens per interval),
+    `fair_share` FAIR_COLUMNS (weighted tokens per interval while a tenant waited)."""
 
     pool_blocks: int
     free_blocks: int
@@ -105,6 +107,7 @@ class Live:
     tenants: pd.DataFrame
     events: pd.DataFrame
     lease_reuse: pd.DataFrame
+    fair_share: pd.DataFrame
 
     @property
     def pool_states(self) -> dict[str, int]:
@@ -184,12 +187,18 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         for e in history.get("events", [])
     ]
     reuse = []  # increments between consecutive samples of the cumulative totals
+    fair = []
     samples = history.get("samples", [])
     for before, after in itertools.pairwise(samples):
         for tier, (reused, lost) in after.get("lease_reuse", {}).items():
             was = before.get("lease_reuse", {}).get(tier, [0, 0])
             if reused - was[0] or lost - was[1]:
                 reuse.append((after["t"], tier, reused - was[0], lost - was[1]))
+        for key, (served, entitled) in after.get("fair_share", {}).items():
+            was = before.get("fair_share", {}).get(key, [0.0, 0.0])
+            if entitled - was[1] > 0:
+                tenant, tier = key.rsplit("|", 1)
+                fair.append((after["t"], tenant, tier, served - was[0], entitled - was[1]))
     preempted: Counter[str] = Counter()
     evicted: Counter[str] = Counter()
     for e in history.get("events", []):
@@ -225,6 +234,7 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
         events=_frame(events, EVENT_COLUMNS),
         lease_reuse=_frame(reuse, LEASE_COLUMNS),
+        fair_share=_frame(fair, FAIR_COLUMNS),
     )
 
 
@@ -275,6 +285,8 @@ RANGE_QUERIES = {
     "preemptions": f"sum by (tier, reason) (increase({m.PREEMPTIONS.name}[{{step}}s]))",
     "evictions": f"sum by (tier, leased) (increase({m.CACHED_EVICTIONS.name}[{{step}}s]))",
     "lease_reuse": f"sum by (tier, outcome) (increase({m.LEASE_REUSE.name}[{{step}}s]))",
+    "fair_served": f"sum by (tenant_id, tier) (increase({m.FAIR_SERVED.name}[{{step}}s]))",
+    "fair_entitled": f"sum by (tenant_id, tier) (increase({m.FAIR_ENTITLED.name}[{{step}}s]))",
 }
 
 
@@ -372,6 +384,13 @@ def live_from_prometheus(
         for ts, v in s["values"]:
             reuse.setdefault((float(ts), s["metric"].get("tier", "")), [0.0, 0.0])[slot] = float(v)
     lease_rows = [(t, tier, r, lost) for (t, tier), (r, lost) in sorted(reuse.items()) if r + lost]
+    fair: dict[tuple[float, str, str], list[float]] = {}
+    for slot, name in enumerate(("fair_served", "fair_entitled")):
+        for s in ranged.get(name, []):
+            key = (s["metric"].get("tenant_id", ""), s["metric"].get("tier", ""))
+            for ts, v in s["values"]:
+                fair.setdefault((float(ts), *key), [0.0, 0.0])[slot] = float(v)
+    fair_rows = [(*k, served, ent) for k, (served, ent) in sorted(fair.items()) if ent > 0]
     pool, free = scalar("pool"), scalar("free")
     running, waiting = scalar("running"), scalar("waiting")
     return Live(
@@ -383,6 +402,7 @@ def live_from_prometheus(
         tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
         events=_frame(events, EVENT_COLUMNS),
         lease_reuse=_frame(lease_rows, LEASE_COLUMNS),
+        fair_share=_frame(fair_rows, FAIR_COLUMNS),
     )
 
 
@@ -402,6 +422,25 @@ def lease_hit_series(reuse: pd.DataFrame, bucket_seconds: int = 30) -> pd.DataFr
     bucketed = bucketed[bucketed["reused"] + bucketed["lost"] > 0]
     ratio = bucketed["reused"] / (bucketed["reused"] + bucketed["lost"])
     return bucketed.assign(ratio=ratio)[["t", "tier", "ratio"]].reset_index(drop=True)
+
+
+def fair_share_table(fair: pd.DataFrame, now: pd.Timestamp) -> pd.DataFrame:
+    """Per tenant that waited in the window: its fair-share ratio now (the last minute)
+    and over the window (served / entitled weighted tokens; 1 is its share), lowest
+    window ratio first, so the tenants kept under their share lead."""
+    columns = ["tenant_id", "tier", "now", "window"]
+    if fair.empty:
+        return pd.DataFrame(columns=columns)
+    keys = ["tenant_id", "tier"]
+    window = fair.groupby(keys)[["served", "entitled"]].sum()
+    recent = (
+        fair[fair["t"] >= now - pd.Timedelta(seconds=60)]
+        .groupby(keys)[["served", "entitled"]]
+        .sum()
+    )
+    out = pd.DataFrame({"window": window["served"] / window["entitled"]})
+    out["now"] = recent["served"] / recent["entitled"]
+    return out.reset_index()[columns].sort_values(["window", "tenant_id"]).reset_index(drop=True)
 
 
 def pick_tenants(tenants: pd.DataFrame, search: str = "", top: int = 20) -> pd.DataFrame:

@@ -163,6 +163,20 @@ def lease_caps_error(pool_blocks: int, caps: dict[str, int], request_blocks: int
     )
 
 
+def tenant_cap_error(
+    tier: str, cap_blocks: int, pool_blocks: int, request_blocks: int
+) -> str | None:
+    """Why a tier's `max_tenant_kv_share` cannot run on this pool, or None: a tenant must
+    be able to hold one max_model_len request, or its request could wait for ever."""
+    if cap_blocks >= request_blocks:
+        return None
+    return (
+        f"tier {tier!r}: max_tenant_kv_share lets one tenant hold {cap_blocks} of "
+        f"{pool_blocks} KV blocks; one max_model_len request needs {request_blocks}. "
+        f"Raise the share, lower max_model_len, or give the engine more KV-cache blocks"
+    )
+
+
 # --- preemption mode: recompute or offload ----------------------------------
 
 FALLBACK_OFFLOAD_MIN_BLOCKS = 128  # the seed's rule, used only without model numbers

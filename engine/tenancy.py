@@ -131,6 +131,14 @@ class TierTable(Mapping[str, Tier]):
         leasing = [t for t in reversed(list(self.tiers.values())) if t.lease_seconds > 0]
         return {t.name: leased_cap_blocks(t.leased_cache_cap, pool_blocks) for t in leasing}
 
+    def tenant_kv_caps(self, pool_blocks: int) -> dict[str, int]:
+        """Blocks one tenant may hold, for the tiers with a `max_tenant_kv_share` under 1."""
+        return {
+            t.name: int(t.max_tenant_kv_share * pool_blocks)
+            for t in self.tiers.values()
+            if t.max_tenant_kv_share < 1.0
+        }
+
     def max_request_tokens(self, pool_blocks: int, block_size: int) -> int:
         """The longest request (max_model_len) these caps allow on a pool of `pool_blocks`
         usable blocks: what no lease can ever hold."""

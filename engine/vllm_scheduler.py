@@ -81,6 +81,7 @@ from engine.policy import (  # noqa: E402
     preemption_mode,
     protection_rank,
     service_key,
+    tenant_cap_error,
     within_class_key,
 )
 from engine.settings import SchedulerSettings, SettingsError  # noqa: E402
@@ -221,20 +222,12 @@ class TenantSchedulingMixin:
         # Within a tier, tenants take turns by fair share (engine.fairness).
         self._shares = {name: FairShare() for name in tiers}
         usable_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
-        self._kv_caps = {  # tiers whose tenants may each hold only part of the pool
-            tier.name: int(tier.max_tenant_kv_share * usable_blocks)
-            for tier in tiers.values()
-            if tier.max_tenant_kv_share < 1.0
-        }
+        self._kv_caps = tiers.tenant_kv_caps(usable_blocks)  # blocks one tenant may hold
         request_blocks = -(-self.max_model_len // self.block_size)
         for name, cap in self._kv_caps.items():
-            if cap < request_blocks:
-                raise SettingsError(
-                    f"tier {name!r}: max_tenant_kv_share lets one tenant hold {cap} of "
-                    f"{usable_blocks} KV blocks; one max_model_len request needs "
-                    f"{request_blocks}. Raise the share, lower max_model_len, or give the "
-                    f"engine more KV-cache blocks"
-                )
+            error = tenant_cap_error(name, cap, usable_blocks, request_blocks)
+            if error is not None:
+                raise SettingsError(error)
         self.waiting = TenantWaitingQueue(self._bucket_of, len(tiers) + 1, self._make_bucket)
         self.running = _RunningList(self._admitted, self._service_key)
 
@@ -504,11 +497,11 @@ class TenantSchedulingMixin:
         tenancy, requests = self._tenancy, self.requests
         for request_id, tokens in scheduled.items():
             t = tenancy.get(request_id)
-            if t is not None and t.account is not None:
-                after = requests[request_id].num_computed_tokens
-                new = after - max(after - tokens, t.charged_until)
+            account = t.account if t is not None else None
+            if account is not None:
+                new = requests[request_id].num_computed_tokens - t.charged_until  # past admission
                 if new > 0:
-                    t.account.charge(OUTPUT_COST * new)
+                    account.charge(OUTPUT_COST * (new if new < tokens else tokens))
 
     def _note_lease_hits(self) -> None:
         """A leased next turn just scheduled for the first time: keep its prefix-cache hit
@@ -618,30 +611,12 @@ class TenantSchedulingMixin:
         if not self._over_kv_cap(t, whole - len(self._blocks(request.request_id))):
             return False
         if running and self.policy == SchedulingPolicy.FCFS:
-            self._place_own_victim(request, t)
+            self._move_victim_to_end(request, account=t.account)  # its own, maybe itself
         return True
 
     def _counter(self, t: Tenancy) -> float:
         """The victim rule's fair-share term: the tenant's counter, 0 with fair share off."""
         return t.account.counter if t.account is not None and self.settings.fair_share else 0.0
-
-    def _place_own_victim(self, request: Request, t: Tenancy) -> None:
-        """Move the tenant's least-work running request not yet served this step (`request`
-        or one behind it) to the end, where vLLM's FCFS preemption takes its victim."""
-        running = self.running
-        best, best_key = -1, None
-        for i in range(len(running) - 1, -1, -1):
-            candidate = running[i]
-            if self._tenancy_of(candidate).account is t.account:
-                key = within_class_key(
-                    self.settings.victim_rule, candidate.num_computed_tokens, candidate.arrival_time
-                )
-                if best_key is None or key > best_key:
-                    best, best_key = i, key
-            if candidate is request:
-                break
-        if best >= 0:
-            list.append(running, running.pop(best))
 
     def _place_victim(self, request: Request) -> None:
         """Among the requests of the lowest class that vLLM has not yet served this step
@@ -650,18 +625,25 @@ class TenantSchedulingMixin:
         Unclassified requests keep vLLM's own victim (the newest), so an engine that serves
         no tenant preempts exactly as stock vLLM does. O(requests of that class).
         """
-        running = self.running
-        last = self._tenancy_of(running[-1])
-        if last.tenant_id is None:
-            return
-        rule = self.settings.victim_rule
+        last = self._tenancy_of(self.running[-1])
+        if last.tenant_id is not None:
+            self._move_victim_to_end(request, klass=last.key[0])
+
+    def _move_victim_to_end(
+        self, request: Request, klass: tuple | None = None, account: Account | None = None
+    ) -> None:
+        """Scanning `running` from the end back to `request`, within class `klass` (the
+        scan stops at another class) or among `account`'s requests, move the first victim
+        by `within_class_key` (furthest above its fair share, then the victim rule)."""
+        running, rule = self.running, self.settings.victim_rule
         best, best_key = -1, None
         for i in range(len(running) - 1, -1, -1):
             candidate = running[i]
             t = self._tenancy_of(candidate)
-            if t.key[0] != last.key[0]:
+            if klass is not None and t.key[0] != klass:
                 break
-            if self._request_blocks_can_be_freed(candidate):
+            mine = account is None or t.account is account
+            if mine and self._request_blocks_can_be_freed(candidate):
                 key = within_class_key(
                     rule, candidate.num_computed_tokens, candidate.arrival_time, self._counter(t)
                 )

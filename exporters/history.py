@@ -4,7 +4,8 @@ A dashboard opened during an incident must show what led up to it, not only
 what happens from then on. So the API process keeps, from the snapshots and
 events the engine channel already brings:
 - occupancy samples: pool size, free blocks, per-tenant blocks by state and the
-  cumulative lease reuse per tier (tokens reused, lost), at most one per `every`
+  cumulative lease reuse per tier (tokens reused, lost) and fair-share service per
+  tenant (weighted tokens served, entitled), at most one per `every`
   seconds, for `window` seconds;
 - preemption and cached-block eviction events, for `window` seconds, at most
   `max_events` (the oldest go first).
@@ -33,6 +34,11 @@ def _lease_reuse(state: EngineState) -> dict[str, list[int]]:
     for tier, outcome, n in state.totals.lease_reuse_tokens:
         out.setdefault(tier, [0, 0])[LEASE_OUTCOMES.index(outcome)] = n
     return out
+
+
+def _fair_share(state: EngineState) -> dict[str, list[float]]:
+    """ "tenant|tier" -> [served, entitled] weighted tokens while backlogged, since start."""
+    return {f"{t}|{tier}": [s, e] for t, tier, s, e in state.totals.fair_share_tokens}
 
 
 class History:
@@ -69,6 +75,7 @@ class History:
                         if b.running or b.cached_leased or b.cached
                     },
                     "lease_reuse": _lease_reuse(state),
+                    "fair_share": _fair_share(state),
                 }
             )
 

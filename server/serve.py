@@ -38,7 +38,7 @@ from pathlib import Path
 from engine.auth import KEYS_ENV
 from engine.labels import HASH_ENV as HASH_LABELS_ENV
 from engine.labels import MAX_ENV as MAX_LABELS_ENV
-from engine.policy import lease_caps_error
+from engine.policy import lease_caps_error, tenant_cap_error
 from engine.runtime import (
     DependencyError,
     VllmVersionError,
@@ -123,10 +123,14 @@ def check_pool(vllm_args: argparse.Namespace) -> None:
             f"tokens per request (one block is vLLM's null block); lower --max-model-len "
             f"({max_len}) or raise --num-blocks"
         )
-    caps = TierTable.load().leased_caps(blocks - 1)
-    error = lease_caps_error(blocks - 1, caps, -(-max_len // block))
-    if error is not None:
-        raise ConfigError(f"--num-blocks {blocks}, --max-model-len {max_len}: {error}")
+    tiers = TierTable.load()
+    request_blocks = -(-max_len // block)
+    errors = [lease_caps_error(blocks - 1, tiers.leased_caps(blocks - 1), request_blocks)]
+    for tier, cap in tiers.tenant_kv_caps(blocks - 1).items():
+        errors.append(tenant_cap_error(tier, cap, blocks - 1, request_blocks))
+    for error in errors:
+        if error is not None:
+            raise ConfigError(f"--num-blocks {blocks}, --max-model-len {max_len}: {error}")
 
 
 def run_serve(argv: Sequence[str]) -> int:

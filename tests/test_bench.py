@@ -85,6 +85,20 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         assert r["ratio_per_request"] > 0
 
 
+def test_fair_share_serves_a_heavy_and_light_tenants_of_one_tier_alike(out, kvlease_home):
+    """The real engine, one tier, a tenant keeping ten times the others' requests queued:
+    stock FCFS serves it by demand, kvlease within about one request of the others."""
+    result = _bench("fairness", out, kvlease_home)
+    ways = result["ways"]
+    fcfs, fair = ways["fcfs"], ways["kvlease"]
+    assert fcfs["jain"] < 0.6 and fcfs["heavy_share"] > 0.5 and fcfs["worst_gap_requests"] > 10
+    assert fair["jain"] >= 0.95 and fair["worst_gap_requests"] <= 4
+    assert fair["service_per_step"] >= 0.97 * fcfs["service_per_step"]  # work-conserving
+    # Alone with an idle tier, a tenant takes most of the pool; capped, never past its cap.
+    assert ways["hog"]["most_blocks_held_by_heavy"] > ways["capped"]["cap_blocks"]
+    assert 0 < ways["capped"]["most_blocks_held_by_heavy"] <= ways["capped"]["cap_blocks"]
+
+
 def test_soak_has_no_errors_and_one_ledger_record_per_completed_request(out, kvlease_home):
     result = _bench("soak", out, kvlease_home)
     assert result["errors"] == 0, result["last_errors"]

@@ -147,6 +147,28 @@ def test_an_empty_engine_is_an_empty_picture_not_an_error():
     assert charts.events_timeline(live.events).layout.annotations[0].text.startswith("No ")
 
 
+def test_the_fair_share_view_ranks_tenants_kept_under_their_share_first():
+    history = History(TenantLabels(), window=600, every=1.0)
+    now = time.time()
+    steps = [  # cumulative (served, entitled) for heavy and light, one sample every 10 s
+        {"heavy": (0, 0), "light": (0, 0)},
+        {"heavy": (900, 600), "light": (300, 600)},
+        {"heavy": (1500, 1200), "light": (900, 1200)},
+    ]
+    for i, books in enumerate(steps):
+        state = _typed(_state())
+        state.totals.fair_share_tokens = [(t, "free", s, e) for t, (s, e) in books.items()]
+        history.add_state(state, wall=now - 100 + 10 * i)
+    live = data.live_from_engine(_state(), history.since(600), now)
+    table = data.fair_share_table(live.fair_share, pd.Timestamp(now, unit="s", tz="UTC"))
+    assert table["tenant_id"].tolist() == ["light", "heavy"]  # under its share first
+    assert table.set_index("tenant_id")["window"].to_dict() == {"light": 0.75, "heavy": 1.25}
+    assert table["now"].isna().all()  # nothing in the last minute: not a made-up 1.0
+    assert {b.name for b in charts.fair_share_bars(table).data} == {"free"}
+    empty = data.fair_share_table(live.fair_share.iloc[0:0], pd.Timestamp.now(tz="UTC"))
+    assert charts.fair_share_bars(empty).layout.annotations[0].text.startswith("No tier")
+
+
 def _vector(metric: dict, value: float) -> dict:
     return {"metric": metric, "value": [NOW, str(value)]}
 
@@ -180,6 +202,8 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
             _matrix({"tier": "premium", "outcome": "reused"}, [90, 0]),
             _matrix({"tier": "premium", "outcome": "lost"}, [10, 0]),
         ],
+        "fair_served": [_matrix({"tenant_id": "bob", "tier": "free"}, [50, 0])],
+        "fair_entitled": [_matrix({"tenant_id": "bob", "tier": "free"}, [100, 0])],
     }
     live = data.live_from_prometheus(instant, ranged)
     assert (live.pool_blocks, live.free_blocks, live.running, live.waiting) == (126, 26, 9, None)
@@ -195,6 +219,8 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
     ]  # zero buckets dropped
     assert live.lease_hit_ratio == pytest.approx(0.9)
     assert len(live.lease_reuse) == 1  # the bucket with no leased next turn is dropped
+    fair = live.fair_share
+    assert fair[["tenant_id", "served", "entitled"]].values.tolist() == [["bob", 50.0, 100.0]]
 
 
 def _tenants(n: int) -> pd.DataFrame:

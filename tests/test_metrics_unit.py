@@ -91,9 +91,12 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
                 block_seconds=[["acme", 12.5]],
                 recomputed_tokens=[["acme", 33]],
                 lease_reuse_tokens=[["premium", "reused", 320], ["premium", "lost", 32]],
-            ),
+                fair_share_tokens=[["acme", "premium", 96.0, 192.0]],
+            )
+            | {"fair_share": [{"tenant_id": "acme", "tier": "premium", "counter": 480.0,
+                               "ratio": 0.5, "waiting": 3}]},
         },
-    )
+    )  # fmt: skip
     metrics = TenantMetrics(view, tiers, TenantLabels())
     metrics.request_finished("acme", "premium", _stats())
     metrics.request_finished(None, None, _stats(reason=2))
@@ -152,6 +155,9 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
     assert value("vllm_tenant_active_swapped_blocks", tenant_id="acme") == 0
     assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="reused") == 320
     assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="lost") == 32
+    assert value("vllm_tenant_fair_counter", tenant_id="acme", tier="premium") == 480
+    assert value("vllm_tenant_fair_served_tokens", tenant_id="acme", tier="premium") == 96
+    assert value("vllm_tenant_fair_entitled_tokens", tenant_id="acme", tier="premium") == 192
 
 
 def test_labels_keep_allow_listed_and_first_tenants_and_fold_the_rest():

@@ -41,10 +41,12 @@ def test_serve_refuses_a_bad_tier_file(tmp_path):
     assert done.returncode == 2 and "tiers.toml" in done.stderr
 
 
-def _serve_pool(kvlease_home, blocks: str, max_model_len: str) -> subprocess.CompletedProcess:
+def _serve_pool(
+    kvlease_home, blocks: str, max_model_len: str, *more: str
+) -> subprocess.CompletedProcess:
     argv = ["serve", "--num-blocks", blocks, "--max-model-len", max_model_len, "--port", "1"]
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *argv],
+        [sys.executable, "-m", "server.cli", *argv, *more],
         env={**os.environ, "KVLEASE_JWT_SECRET": "s" * 48, "KVLEASE_HOME": str(kvlease_home)},
         capture_output=True,
         text=True,
@@ -68,6 +70,20 @@ def test_serve_refuses_lease_caps_that_leave_less_than_one_request(kvlease_home)
     assert line.startswith("kvlease serve: error: --num-blocks 24, --max-model-len 736:")
     assert "reserve 6 of 23 KV blocks (standard 2, premium 4), leaving 17" in line
     assert "needs 23" in line
+
+
+@pytest.mark.engine
+def test_serve_refuses_a_tenant_kv_share_smaller_than_one_request(kvlease_home, tmp_path):
+    from importlib import resources
+
+    tiers = tmp_path / "tiers.toml"
+    text = resources.files("engine").joinpath("tiers.toml").read_text()
+    tiers.write_text(text.replace("[tiers.free]\n", "[tiers.free]\nmax_tenant_kv_share = 0.1\n"))
+    done = _serve_pool(kvlease_home, "64", "512", "--tiers", str(tiers))
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert "tier 'free': max_tenant_kv_share lets one tenant hold 6 of 63 KV blocks" in line
+    assert "needs 16" in line
 
 
 def test_an_unreachable_ledger_is_one_line_without_its_password():
