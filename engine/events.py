@@ -120,7 +120,7 @@ class FairShareRow(msgspec.Struct):
     tenant_id: str  # a label (engine.labels)
     tier: str
     counter: float  # virtual token counter: weighted service / weight
-    ratio: float | None  # served / entitled since the last snapshot (None: nothing served)
+    ratio: float | None  # served / entitled since the last snapshot, while it waited
     waiting: int  # its requests in the waiting queue
 
 
@@ -140,7 +140,7 @@ class EngineState(msgspec.Struct):
     waiting_by_tier: dict[str, int]  # requests without tenant fields under "__unclassified__"
     events_dropped: int
     totals: Totals
-    fair_share: list[FairShareRow] = []  # backlogged tenants of every tier
+    fair_share: list[FairShareRow] = []  # every tenant each tier's fair share tracks
 
 
 class Message(msgspec.Struct):

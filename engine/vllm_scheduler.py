@@ -1012,19 +1012,21 @@ class TenantSchedulingMixin:
         )
 
     def _fair_share_rows(self) -> list[FairShareRow]:
-        """Every backlogged tenant's counter and fair-share ratio since the last snapshot;
-        the same service and entitlement are added to the cumulative totals."""
+        """Every tracked tenant's counter, and each waiting tenant's fair-share ratio since
+        the last snapshot; that service and entitlement are added to the totals."""
         rows = []
         books = self.accounting.fair_share_tokens
         for tier, share in self._shares.items():
-            for tenant, (counter, served, entitled) in share.shares().items():
-                label = self._label(tenant)
-                book = books.setdefault((label, tier), [0.0, 0.0])
-                book[0] += served
-                book[1] += entitled
-                ratio = served / entitled if entitled > 0 else None
-                waiting = share.accounts[tenant].waiting
-                rows.append(FairShareRow(label, tier, counter, ratio, waiting))
+            waiting = share.shares()
+            for tenant, account in share.accounts.items():
+                label, ratio = self._label(tenant), None
+                if tenant in waiting:
+                    _, served, entitled = waiting[tenant]
+                    book = books.setdefault((label, tier), [0.0, 0.0])
+                    book[0] += served
+                    book[1] += entitled
+                    ratio = served / entitled if entitled > 0 else None
+                rows.append(FairShareRow(label, tier, account.counter, ratio, account.waiting))
         return rows
 
     def _leases(self, now: float) -> tuple[list[Lease], dict[str, LeaseSummary]]:

@@ -118,11 +118,12 @@ LEASE_REUSE = Family(
     ("tier", "outcome"),
 )
 LEASE_HIT_ALERT = 0.90  # a tier's lease hit ratio under this for 10 min fires the alert
-FAIR_COUNTER = Family(
-    "vllm_tenant_fair_counter",
+FAIR_VIRTUAL_TOKENS = Family(
+    "vllm_tenant_fair_virtual_tokens",
     "gauge",
-    "Virtual token counter of a tenant waiting for service in its tier: weighted tokens "
-    "served (prompt 1, generated 2) over its weight; the smallest is admitted next.",
+    "Virtual token counter of a tenant in its tier: weighted tokens served (prompt 1, "
+    "generated 2) over its weight; of the tenants waiting, the smallest is admitted next. "
+    "Idle tenants at the floor are forgotten.",
     ("tenant_id", "tier"),
 )
 FAIR_SERVED = Family(
@@ -223,7 +224,7 @@ FAMILIES = (
     CACHED_EVICTIONS,
     SWAPPED_BLOCKS,
     LEASE_REUSE,
-    FAIR_COUNTER,
+    FAIR_VIRTUAL_TOKENS,
     FAIR_SERVED,
     FAIR_ENTITLED,
     BLOCK_SECONDS,
@@ -370,7 +371,7 @@ class TenantMetrics:
             fam[FAIR_SERVED.name].add_metric([tenant, tier], served)
             fam[FAIR_ENTITLED.name].add_metric([tenant, tier], entitled)
         for row in state.fair_share:
-            fam[FAIR_COUNTER.name].add_metric([row.tenant_id, row.tier], row.counter)
+            fam[FAIR_VIRTUAL_TOKENS.name].add_metric([row.tenant_id, row.tier], row.counter)
 
     def _priority(self, tier: str | None) -> str:
         return str(self.tiers[tier].priority) if tier in self.tiers else "none"

@@ -155,7 +155,7 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
     assert value("vllm_tenant_active_swapped_blocks", tenant_id="acme") == 0
     assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="reused") == 320
     assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="lost") == 32
-    assert value("vllm_tenant_fair_counter", tenant_id="acme", tier="premium") == 480
+    assert value("vllm_tenant_fair_virtual_tokens", tenant_id="acme", tier="premium") == 480
     assert value("vllm_tenant_fair_served_tokens", tenant_id="acme", tier="premium") == 96
     assert value("vllm_tenant_fair_entitled_tokens", tenant_id="acme", tier="premium") == 192
 
