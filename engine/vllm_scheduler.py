@@ -1020,9 +1020,9 @@ class TenantSchedulingMixin:
             waiting = share.shares()
             for tenant, account in share.accounts.items():
                 label, ratio = self._label(tenant), None
+                book = books.setdefault((label, tier), [0.0, 0.0])  # a series from the start
                 if tenant in waiting:
                     _, served, entitled = waiting[tenant]
-                    book = books.setdefault((label, tier), [0.0, 0.0])
                     book[0] += served
                     book[1] += entitled
                     ratio = served / entitled if entitled > 0 else None
