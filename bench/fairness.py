@@ -161,17 +161,11 @@ def targets(ways: dict[str, dict]) -> list[dict]:
          lambda v: v >= 0.97),
         ("Blocks the capped tenant held, over its cap", "<= 1",
          c["most_blocks_held_by_heavy"] / c["cap_blocks"], lambda v: v <= 1),
-        ("Light tenants' service, capped vs hog", ">= 1",
-         _lights(c) / max(1e-9, _lights(ways["hog"])), lambda v: v >= 1),
     ]  # fmt: skip
     return [
         {"target": name, "wanted": wanted, "measured": value, "met": bool(ok(value))}
         for name, wanted, value, ok in rows
     ]
-
-
-def _lights(way: dict) -> float:
-    return sum(v for t, v in way["service"].items() if t != "heavy")
 
 
 def markdown(result: dict) -> str:

@@ -11,7 +11,8 @@ the trace must preempt), started once in this process:
   priority  stock vLLM Scheduler, PRIORITY with priority = tier (the baseline to beat)
   kvlease   TenantAwareScheduler (victim rule `least_work`, vLLM policy FCFS: kvlease
             orders by tier itself), metrics, tracing and ledger on
-plus `lru`, kvlease with the seed's `lru` victim rule, and
+plus `lru`, kvlease with the seed's `lru` victim rule, `fifo`, kvlease with fair
+share off (FIFO within a tier, as before issue 18: what fair share costs here), and
 `kvlease-quiet`, kvlease with all telemetry off, for the cost of telemetry
 (played alternately with `kvlease`, `--repeats` times each). An in-process
 engine with the demo model starts in a few seconds.
@@ -294,13 +295,16 @@ def main() -> int:
         "lru": start_engine(
             "lru", model, TenantAwareScheduler, "fcfs", pool, {"victim_rule": "lru"}
         ),
+        "fifo": start_engine(
+            "fifo", model, TenantAwareScheduler, "fcfs", pool, {"fair_share": False}
+        ),
         "fcfs": start_engine("fcfs", model, Scheduler, "fcfs", pool),
         "priority": start_engine("priority", model, Scheduler, "priority", pool),
     }  # fmt: skip
     sps = args.steps_per_second
     ways: dict[str, dict] = {}
     runs = [("alone", "kvlease-quiet", premium), ("fcfs", "fcfs", turns)]
-    runs += [("priority", "priority", turns), ("lru", "lru", turns)]
+    runs += [("priority", "priority", turns), ("lru", "lru", turns), ("fifo", "fifo", turns)]
     for name, engine, trace in runs:
         ways[name] = summarize(play(engines[engine], trace, name, sps, tiers), tiers, caps)
         _progress(name, ways[name])
@@ -356,7 +360,7 @@ def markdown(result: dict) -> str:
         "TPOT steps | preemptions | recomputed tokens | leased prefix hit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for way in ("alone", "fcfs", "priority", "kvlease", "lru"):
+    for way in ("alone", "fcfs", "priority", "kvlease", "lru", "fifo"):
         for tier, t in ways[way]["tiers"].items():
             s, w = t["ttft_steps"], t["ttft_seconds"]
             hit = "-"
@@ -374,7 +378,7 @@ def markdown(result: dict) -> str:
         "| earlier-turn context recomputed | wasted prefill |",
         "|---|---|---|---|---|---|---|",
     ]
-    for way in ("alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "lru"):
+    for way in ("alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "lru", "fifo"):
         w = ways[way]
         lines.append(
             f"| {way} | {w['engine_steps']} | {w['output_tokens_per_step']:.2f} | "

@@ -89,17 +89,15 @@ class FairShare:
             heapq.heappush(self._idle, (a.counter, next(self._seq), a))
             self._forget_idle()
 
-    def enqueued(self, a: Account, returning: bool = False) -> None:
-        """A request of `a` joined the waiting queue: new, or `returning` after a
-        preemption. A tenant that becomes backlogged with a new request is lifted to the
-        smallest backlogged counter (idleness banks no credit); one whose running request
-        was preempted was not idle, and keeps its counter."""
+    def enqueued(self, a: Account) -> None:
+        """A new request of `a` joined the waiting queue. A tenant that becomes backlogged
+        is lifted to the smallest backlogged counter: idleness banks no credit. (A request
+        put back after a preemption is not new: the waiting queue resumes it first.)"""
         a.waiting += 1
-        if a.waiting == 1:  # backlogged again: compete from its (lifted) counter
+        if a.waiting == 1:  # backlogged again: lift, then compete
             a.mark = a.served
-            if not returning:
-                smallest = self._smallest()
-                a.counter = max(a.counter, self.floor if smallest is None else smallest.counter)
+            smallest = self._smallest()
+            a.counter = max(a.counter, self.floor if smallest is None else smallest.counter)
             heapq.heappush(self._heap, (a.counter, next(self._seq), a))
 
     def dequeued(self, a: Account) -> None:

@@ -41,17 +41,22 @@ class Fifo(deque):
 
 
 class FairBucket:
-    """One tier's waiting requests, one queue per tenant, admitted by fair share.
+    """One tier's waiting requests: requests put back first, then one queue per tenant
+    admitted by fair share.
 
-    `peek_request`/`pop_request` take the head of the backlogged tenant with the smallest
-    virtual token counter (`engine.fairness.FairShare`), leaving out tenants that
+    A request vLLM puts back (`prepend_request`: preempted, or skipped this step) was
+    admitted once; it goes to the front of the tier, as in vLLM's own queue, so it resumes
+    before any new admission while its prefix may still be cached (admitting new work
+    ahead of it only makes more preemptions). New requests wait in their tenant's queue,
+    and `peek_request`/`pop_request` take the head of the backlogged tenant with the
+    smallest virtual token counter (`engine.fairness.FairShare`), leaving out tenants that
     `skip(account, its head request)` refuses (at its KV cap); within a tenant, vLLM's
     own order (the queue `make_queue` builds).
-    Invariant: `_queues[tenant]` holds exactly that tenant's waiting requests, and a
-    tenant has a queue exactly while its account is backlogged. Costs: add and prepend
-    O(1) + O(log tenants) (FCFS), peek and pop O(log tenants) amortised.
-    A bucket whose every request belongs to a refused tenant is falsy (nothing in it may be
-    admitted now) while its `len` still counts them.
+    Invariants: `_queues[tenant]` holds exactly that tenant's new waiting requests, and a
+    tenant has a queue exactly while its account is backlogged; `len` counts those and the
+    requests put back. Costs: add O(1) + O(log tenants), prepend O(1), peek and pop
+    O(log tenants) amortised. A bucket whose every request belongs to a refused tenant is
+    falsy (nothing in it may be admitted now) while its `len` still counts them.
     """
 
     def __init__(
@@ -65,31 +70,25 @@ class FairBucket:
         self._account_of = account_of
         self._make_queue = make_queue
         self._skip = skip
+        self._back: deque[Request] = deque()  # put back by vLLM: served first
         self._queues: dict[str, Any] = {}
         self._len = 0
         self._peeked: Any = None  # the account whose head the last peek showed
 
-    def _queue_of(self, request: Request) -> tuple[Any, Any]:
+    def add_request(self, request: Request) -> None:
         a = self._account_of(request)
         q = self._queues.get(a.tenant)
         if q is None:
             q = self._queues[a.tenant] = self._make_queue()
-        return a, q
-
-    def add_request(self, request: Request) -> None:
-        a, q = self._queue_of(request)
         q.add_request(request)
         self._len += 1
         self._share.enqueued(a)
         self._peeked = None  # a new head may come first
 
     def prepend_request(self, request: Request) -> None:
-        """vLLM puts a preempted request back: the front of its tenant's queue, and its
-        tenant keeps its counter (it was served, not idle)."""
-        a, q = self._queue_of(request)
-        q.prepend_request(request)
+        """vLLM puts a request back (preempted, or skipped this step): the tier's front."""
+        self._back.appendleft(request)
         self._len += 1
-        self._share.enqueued(a, returning=True)
         self._peeked = None
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
@@ -106,6 +105,9 @@ class FairBucket:
         return a, self._queues[a.tenant]
 
     def peek_request(self) -> Request:
+        if self._back:
+            self._peeked = self._back
+            return self._back[0]
         a, q = self._head()
         self._peeked = a
         return q.peek_request()
@@ -113,8 +115,10 @@ class FairBucket:
     def pop_request(self) -> Request:
         """The request `peek_request` showed: vLLM allocates for it between the two calls,
         which may bring its tenant to its cap, and must still get that request."""
-        a = self._peeked
-        self._peeked = None
+        a, self._peeked = self._peeked, None
+        if a is self._back or (a is None and self._back):
+            self._len -= 1
+            return self._back.popleft()
         if a is None or a.tenant not in self._queues:
             a = self._head()[0]
         q = self._queues[a.tenant]
@@ -123,20 +127,24 @@ class FairBucket:
         return request
 
     def remove_request(self, request: Request) -> None:
-        a, q = self._queue_of(request)
-        q.remove_request(request)
-        self._left(a, q, 1)
+        self.remove_requests((request,))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
+        gone = set(requests)
+        back = len(self._back)
+        if back:
+            self._back = deque(r for r in self._back if r not in gone)
+            self._len -= back - len(self._back)
         by_tenant: dict[str, list[Request]] = {}
-        for request in requests:
+        for request in gone:
             by_tenant.setdefault(self._account_of(request).tenant, []).append(request)
-        for tenant, gone in by_tenant.items():
+        for tenant, mine in by_tenant.items():
             q = self._queues.get(tenant)
             if q is not None:
                 before = len(q)
-                q.remove_requests(gone)
-                self._left(self._account_of(gone[0]), q, before - len(q))
+                q.remove_requests(mine)
+                self._left(self._account_of(mine[0]), q, before - len(q))
+        self._peeked = None
 
     def _left(self, a: Any, q: Any, n: int) -> None:
         self._peeked = None
@@ -149,16 +157,19 @@ class FairBucket:
     def __bool__(self) -> bool:
         if not self._len:
             return False
-        return self._skip is None or self._share.next(self._refused) is not None
+        if self._back or self._skip is None:
+            return True
+        return self._share.next(self._refused) is not None
 
     def __len__(self) -> int:
         return self._len
 
     def __iter__(self) -> Iterator[Request]:
-        """Tenants by counter, each in its own order (O(n log tenants), for inspection)."""
+        """Put-back requests, then tenants by counter, each in its own order (O(n log
+        tenants), for inspection)."""
         accounts = self._share.accounts
         order = sorted(self._queues, key=lambda tenant: accounts[tenant].counter)
-        return chain.from_iterable(self._queues[tenant] for tenant in order)
+        return chain(self._back, *(self._queues[tenant] for tenant in order))
 
 
 class TenantWaitingQueue:

@@ -38,7 +38,7 @@ def out(tmp_path_factory) -> Path:
 def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token(out, kvlease_home):
     result = _bench("policy", out, kvlease_home)
     ways = result["ways"]
-    assert set(ways) == {"alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "lru"}
+    assert set(ways) == {"alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "lru", "fifo"}
     full = {w: ways[w]["requests"] for w in ways if w != "alone"}
     assert len(set(full.values())) == 1, full  # every way replays the same requests
     # Premium alone never runs short here: nothing preempted, so nothing recomputed.
@@ -92,7 +92,7 @@ def test_fair_share_serves_a_heavy_and_light_tenants_of_one_tier_alike(out, kvle
     ways = result["ways"]
     fcfs, fair = ways["fcfs"], ways["kvlease"]
     assert fcfs["jain"] < 0.6 and fcfs["heavy_share"] > 0.5 and fcfs["worst_gap_requests"] > 10
-    assert fair["jain"] >= 0.95 and fair["worst_gap_requests"] <= 4
+    assert fair["jain"] >= 0.95 and fair["worst_gap_requests"] <= 6
     assert fair["service_per_step"] >= 0.97 * fcfs["service_per_step"]  # work-conserving
     # Alone with an idle tier, a tenant takes most of the pool; capped, never past its cap.
     assert ways["hog"]["most_blocks_held_by_heavy"] > ways["capped"]["cap_blocks"]

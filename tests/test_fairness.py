@@ -150,3 +150,15 @@ def test_a_tenant_refused_by_skip_waits_while_others_are_admitted():
     assert not bucket and len(bucket) == 1  # a's request waits: nothing admissible now
     capped.clear()
     assert bucket.pop_request().tenant == "a"
+
+
+def test_a_request_put_back_resumes_before_any_new_one():
+    """A preempted request was admitted once: it resumes first, whatever the counters."""
+    tier = Tier()
+    for tenant in ("a", "b", "a"):
+        tier.arrive(Req(tenant, 10))
+    first = tier.bucket.pop_request()
+    tier.accounts[id(first)].charge(500)  # its tenant is far above the other now
+    tier.bucket.prepend_request(first)
+    assert tier.bucket.peek_request() is first and tier.bucket.pop_request() is first
+    assert len(tier.bucket) == 2 and tier.bucket.pop_request().tenant == "b"
