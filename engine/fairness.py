@@ -37,10 +37,9 @@ class Account:
     weight: float
     counter: float = 0.0
     waiting: int = 0  # its requests in the waiting queue: backlogged while > 0
-    in_flight: int = 0  # its requests the engine holds (waiting, running or preempted)
     served: float = 0.0  # unweighted service, cumulative
     mark: float = 0.0  # `served` when the current fair-share window began
-    requests: set[str] = field(default_factory=set)  # ids in flight (kept by the caller)
+    requests: set[str] = field(default_factory=set)  # ids the engine holds (in flight)
 
     def charge(self, tokens: float) -> None:
         """`tokens` of service, INPUT_COST / OUTPUT_COST already applied. O(1)."""
@@ -73,19 +72,20 @@ class FairShare:
     _idle: list[tuple[float, int, Account]] = field(default_factory=list)
     _seq: itertools.count = field(default_factory=itertools.count)
 
-    def account(self, tenant: str, weight: float) -> Account:
-        """The tenant's account, opened if new (at the floor: a newcomer is lifted anyway)."""
+    def account(self, tenant: str, weight: float, request_id: str) -> Account:
+        """The account of `request_id`'s tenant, opened if new (at the floor: a newcomer
+        is lifted anyway)."""
         a = self.accounts.get(tenant)
         if a is None:
             a = self.accounts[tenant] = Account(tenant, weight, self.floor)
         a.weight = weight  # the latest request's weight (a token may carry a new one)
-        a.in_flight += 1
+        a.requests.add(request_id)
         return a
 
-    def released(self, a: Account) -> None:
-        """One of its requests left the engine; forget the account once idle at the floor."""
-        a.in_flight -= 1
-        if a.in_flight == 0:
+    def released(self, a: Account, request_id: str) -> None:
+        """`request_id` left the engine; forget the account once idle at the floor."""
+        a.requests.discard(request_id)
+        if not a.requests:
             heapq.heappush(self._idle, (a.counter, next(self._seq), a))
             self._forget_idle()
 
@@ -146,7 +146,7 @@ class FairShare:
         idle = self._idle
         while idle and idle[0][0] <= self.floor:
             counter, _, a = heapq.heappop(idle)
-            if a.in_flight == 0 and a.counter == counter and self.accounts.get(a.tenant) is a:
+            if not a.requests and a.counter == counter and self.accounts.get(a.tenant) is a:
                 del self.accounts[a.tenant]
 
     def shares(self) -> dict[str, tuple[float, float, float]]:

@@ -442,9 +442,8 @@ class TenantSchedulingMixin:
         holder.in_flight += 1
         tenancy.holder = holder
         tenancy.account = self._shares[tier.name].account(
-            tenant_id, tier.tenant_weight(args.get("weight"))
+            tenant_id, tier.tenant_weight(args.get("weight")), request.request_id
         )
-        tenancy.account.requests.add(request.request_id)
         change = self.leases.request_started(tenancy.session, tier.lease_seconds)
         if change is not None:
             if change.kind == "renew":
@@ -804,8 +803,7 @@ class TenantSchedulingMixin:
         self._restore_offloaded(t)
         del self._tenancy[request.request_id]
         if t.account is not None:
-            t.account.requests.discard(request.request_id)
-            self._shares[t.tier].released(t.account)
+            self._shares[t.tier].released(t.account, request.request_id)
         now = self.clock()
         holder = t.holder
         if holder is not None:

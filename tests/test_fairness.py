@@ -27,7 +27,8 @@ class Tier:
         self.bucket = FairBucket(self.share, lambda r: self.accounts[id(r)])
 
     def arrive(self, r: Req) -> None:
-        self.accounts[id(r)] = self.share.account(r.tenant, self.weights.get(r.tenant, 1.0))
+        weight = self.weights.get(r.tenant, 1.0)
+        self.accounts[id(r)] = self.share.account(r.tenant, weight, str(id(r)))
         self.bucket.add_request(r)
 
     def serve(self) -> Req:
@@ -36,7 +37,7 @@ class Tier:
         r = self.bucket.pop_request()
         a = self.accounts.pop(id(r))
         a.charge(r.cost)
-        self.share.released(a)
+        self.share.released(a, str(id(r)))
         return r
 
 
@@ -144,7 +145,7 @@ def test_a_tenant_refused_by_skip_waits_while_others_are_admitted():
     bucket = FairBucket(share, lambda r: accounts[id(r)], skip=lambda a, head: a.tenant in capped)
     reqs = [Req("a", 1), Req("b", 1)]
     for r in reqs:
-        accounts[id(r)] = share.account(r.tenant, 1.0)
+        accounts[id(r)] = share.account(r.tenant, 1.0, str(id(r)))
         bucket.add_request(r)
     assert bucket.pop_request().tenant == "b"  # a has the smaller counter but is refused
     assert not bucket and len(bucket) == 1  # a's request waits: nothing admissible now
