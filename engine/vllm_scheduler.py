@@ -332,9 +332,9 @@ class TenantSchedulingMixin:
         with a `max_tenant_kv_share` below 1 ask."""
         held, runs, holders = 0, False, set()
         for request_id in account.requests:
-            blocks = len(self._blocks(request_id))
-            held += blocks
-            runs = runs or self.requests[request_id].status is RUNNING
+            request = self.requests[request_id]
+            held += self._num_blocks(request)
+            runs = runs or request.status is RUNNING
             holder = self._tenancy[request_id].holder
             if holder is not None and holder not in holders:
                 holders.add(holder)
@@ -607,7 +607,7 @@ class TenantSchedulingMixin:
         tokens = args[0] + kwargs.get("num_lookahead_tokens", 0)
         hit = kwargs.get("num_new_computed_tokens", 0)
         whole = -(-(request.num_computed_tokens + hit + tokens) // self.block_size)
-        if not self._over_kv_cap(t, whole - len(self._blocks(request.request_id))):
+        if not self._over_kv_cap(t, whole - self._num_blocks(request)):
             return False
         if running and self.policy == SchedulingPolicy.FCFS:
             self._move_victim_to_end(request, account=t.account)  # its own, maybe itself
