@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.auth import AuthError, require_role
 from engine.tenancy import TierTable
-from exporters.billing import UnpricedRecord, export_chunks, focus_rows, parse_window
+from exporters.billing import UnpricedRecord, export_chunks, focus_rows, parse_window, usage
 from exporters.ledger import LedgerError, one_line
 from exporters.telemetry import TELEMETRY
 from server.middleware import STATE_KEY, error_payload
@@ -91,8 +91,8 @@ async def usage_csv(request: Request) -> Any:
     fmt = request.query_params.get("format", "focus")
 
     def open_export() -> tuple[Iterator[str], str | None]:
-        records = TELEMETRY.ledger().read(start, end, tenants)
-        chunks = export_chunks(records, fmt, granularity, TierTable.load(), (start, end))
+        ledger, tiers = TELEMETRY.ledger(), TierTable.load()
+        chunks = export_chunks(ledger, (start, end), fmt, granularity, tiers, tenants)
         return chunks, next(chunks, None)
 
     try:
@@ -138,8 +138,8 @@ async def usage_json(request: Request) -> Any:
         tenants = [ctx.tenant_id]  # a tenant sees its own usage only
 
     def rows() -> list[dict[str, str]]:
-        records = TELEMETRY.ledger().read(start, end, tenants)
-        return list(focus_rows(records, granularity, TierTable.load(), (start, end)))
+        found = usage(TELEMETRY.ledger(), (start, end), granularity, tenants)
+        return list(focus_rows(found, granularity, TierTable.load(), (start, end)))
 
     try:
         found = await run_in_threadpool(rows)

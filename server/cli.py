@@ -60,6 +60,27 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", default="-", help="file, or - for stdout")
     export.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
     _add_tiers_arg(export)
+    load = usage_sub.add_parser(
+        "import",
+        help="load raw records (the --format raw CSV) into the ledger; re-importing adds nothing",
+        description="Import raw usage records. Each bad row is one line on stderr (line "
+        "number, reason) and is skipped; the good rows are imported. Exit status 1 if any "
+        "row was bad.",
+    )
+    load.add_argument("file", help="CSV file, or - for stdin")
+    load.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
+    prune = usage_sub.add_parser(
+        "prune",
+        help="delete raw records ended before a date; the hourly rollups (and so every "
+        "FOCUS export by hour, day or month) are kept",
+    )
+    prune.add_argument("--before", required=True, help="UTC date or whole hour, e.g. 2026-10-01")
+    prune.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
+    rebuild = usage_sub.add_parser(
+        "rebuild-rollups",
+        help="recompute the hourly rollups from the raw records (after the prune horizon)",
+    )
+    rebuild.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
 
     dash = sub.add_parser(
         "dashboard",
@@ -135,17 +156,33 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
-def _usage_export(args: argparse.Namespace) -> int:
+def _usage(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
+    from exporters.ledger import one_line
+
+    commands = {
+        "export": _usage_export,
+        "import": _usage_import,
+        "prune": _usage_prune,
+        "rebuild-rollups": _usage_rebuild,
+    }
+    try:
+        return commands[args.usage_command](args)
+    except SQLAlchemyError as exc:
+        raise ValueError(f"the ledger failed: {one_line(exc)}") from None
+
+
+def _usage_export(args: argparse.Namespace) -> int:
     from exporters.billing import export_chunks, parse_window
-    from exporters.ledger import UsageLedger, one_line
+    from exporters.ledger import UsageLedger
 
     tiers = TierTable.load(args.tiers)
-    start, end = parse_window(args.start, args.end)
+    window = parse_window(args.start, args.end)
     ledger = UsageLedger(args.usage_db, create=False)  # a reader never makes a ledger
-    records = ledger.read(start, end, args.tenant)
-    chunks = export_chunks(records, args.format, args.granularity, tiers, (start, end))
+    if args.format == "raw" and window[0] < (horizon := ledger.horizon()):
+        print(f"kvlease usage: records before {_day(horizon)} were pruned", file=sys.stderr)
+    chunks = export_chunks(ledger, window, args.format, args.granularity, tiers, args.tenant)
     try:
         out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     except OSError as exc:
@@ -153,12 +190,62 @@ def _usage_export(args: argparse.Namespace) -> int:
     try:
         for chunk in chunks:
             out.write(chunk)
-    except SQLAlchemyError as exc:
-        raise ValueError(f"reading the ledger failed: {one_line(exc)}") from None
     finally:
         if out is not sys.stdout:
             out.close()
     return 0
+
+
+def _usage_import(args: argparse.Namespace) -> int:
+    from exporters.ledger import UsageLedger
+    from exporters.usage_import import BadRow, read_records
+
+    try:
+        source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8", newline="")  # noqa: SIM115
+    except OSError as exc:
+        raise ValueError(f"cannot read {args.file}: {exc.strerror}") from None
+    ledger = UsageLedger(args.usage_db)
+    read = new = bad = 0
+    batch = []
+    with source:
+        for line, item in read_records(source):
+            if isinstance(item, BadRow):
+                bad += 1
+                print(f"{args.file}:{line}: {item}", file=sys.stderr)
+                continue
+            read += 1
+            batch.append(item)
+            if len(batch) == 5000:
+                new += ledger.write(batch)
+                batch = []
+        new += ledger.write(batch)
+    print(f"imported {new} new records ({read - new} already in the ledger), {bad} bad rows")
+    return 1 if bad else 0
+
+
+def _usage_prune(args: argparse.Namespace) -> int:
+    from exporters.billing import parse_window
+    from exporters.ledger import UsageLedger
+
+    before, _ = parse_window(args.before, "9999-01-01")
+    deleted = UsageLedger(args.usage_db, create=False).prune(before)
+    print(f"deleted {deleted} records ended before {_day(before)}; rollups kept")
+    return 0
+
+
+def _usage_rebuild(args: argparse.Namespace) -> int:
+    from exporters.ledger import UsageLedger
+
+    ledger = UsageLedger(args.usage_db, create=False)
+    rollups = ledger.rebuild_rollups()
+    print(f"rebuilt {rollups} hourly rollups from the records since {_day(ledger.horizon())}")
+    return 0
+
+
+def _day(epoch: float) -> str:
+    from exporters.billing import stamp
+
+    return stamp(epoch)
 
 
 def _grafana_build(args: argparse.Namespace) -> int:
@@ -183,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "token":
             return _token(args)
         if args.command == "usage":
-            return _usage_export(args)
+            return _usage(args)
         if args.command == "grafana":
             return _grafana_build(args)
         if args.command == "dashboard":

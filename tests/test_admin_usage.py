@@ -36,13 +36,13 @@ def test_usage_is_read_in_a_worker_thread_not_on_the_event_loop(tmp_path, monkey
     UsageLedger(url).write([rec(1), rec(2, tenant="bob")])
     monkeypatch.setenv("KVLEASE_USAGE_DB", url)
     threads: list[str] = []
-    read = UsageLedger.read
+    rollups = UsageLedger.rollups
 
     def spy(self, *args, **kw):
         threads.append(threading.current_thread().name)
-        return read(self, *args, **kw)
+        yield from rollups(self, *args, **kw)
 
-    monkeypatch.setattr(UsageLedger, "read", spy)
+    monkeypatch.setattr(UsageLedger, "rollups", spy)
     client = _client()
     assert len(client.get("/admin/usage", params=NOV).json()["rows"]) == 2 * 4
     csv = client.get("/admin/usage.csv", params=NOV)

@@ -11,7 +11,7 @@ import pytest
 from records import NOV, rec
 
 from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows, period, record_cost
-from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, UsageLedger
+from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, UsageLedger, rollup_of
 from server.cli import main
 
 
@@ -23,7 +23,8 @@ def ledger(request, tmp_path):
     url = request.getfixturevalue("postgres_url")
     ledger = UsageLedger(url)
     with ledger.engine.begin() as conn:  # a clean table per test
-        conn.exec_driver_sql("DELETE FROM usage_records")
+        for table in ("usage_records", "usage_rollups", "usage_retention"):
+            conn.exec_driver_sql(f"DELETE FROM {table}")
     return ledger
 
 
@@ -93,7 +94,8 @@ TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
 
 def _focus(records, tiers, granularity="day", window=None) -> list[dict]:
-    text = "".join(csv_chunks(focus_rows(records, granularity, tiers, window), FOCUS_COLUMNS))
+    usage = map(rollup_of, records)
+    text = "".join(csv_chunks(focus_rows(usage, granularity, tiers, window), FOCUS_COLUMNS))
     return list(csv.DictReader(io.StringIO(text)))
 
 

@@ -1,4 +1,5 @@
-"""A throwaway PostgreSQL cluster for tests: Debian's server, a temporary folder, a free port.
+"""A throwaway PostgreSQL cluster for tests and benches: Debian's server, a temporary folder,
+a free port.
 
 initdb refuses to run as root, so as root the cluster runs as the `postgres` user.
 """
@@ -8,12 +9,17 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from servers import free_port
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _as_postgres(*command: str) -> list[str]:
