@@ -29,6 +29,7 @@ from prometheus_client.core import (
 )
 
 from engine.accounting import LEASE_OUTCOMES as LEASE_OUTCOMES  # LEASE_REUSE outcomes
+from engine.budgets import ALERT_RATIO
 from engine.events import EngineState, TenantHolding
 from engine.labels import UNCLASSIFIED, TenantLabels
 from engine.tenancy import TierTable
@@ -208,6 +209,15 @@ TENANT_INFO = Family(
     "break per-tenant series down by tier.",
     ("tenant_id", "tier"),
 )
+BUDGET_USED = Family(
+    "vllm_tenant_budget_used_ratio",
+    "gauge",
+    "Month-to-date spend over the tenant's monthly budget (budgeted tenants only; spend is "
+    "the usage ledger's, fleet-wide on a shared ledger, refreshed every refresh_seconds). "
+    "1 is the budget spent.",
+    ("tenant_id",),
+)
+BUDGET_ALERT = ALERT_RATIO  # the used ratio at which KvleaseBudgetNearlySpent fires
 EVENTS_DROPPED = Family(
     "vllm_tenant_events_dropped_total",
     "counter",
@@ -239,6 +249,7 @@ FAMILIES = (
     LEDGER_DEAD_LETTERS,
     JOIN_OVERFLOWS,
     TENANT_INFO,
+    BUDGET_USED,
     EVENTS_DROPPED,
 )
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -260,6 +271,7 @@ class ProcessCounts:
     ledger_write_errors: int = 0
     ledger_dead_letters: int = 0
     join_overflows: int = 0
+    budget_used: dict[str, float] = field(default_factory=dict)  # tenant -> spend / budget
 
 
 @dataclass
@@ -333,6 +345,12 @@ class TenantMetrics:
         fam[LEDGER_ERRORS.name].add_metric([], counts.ledger_write_errors)
         fam[LEDGER_DEAD_LETTERS.name].add_metric([], counts.ledger_dead_letters)
         fam[JOIN_OVERFLOWS.name].add_metric([], counts.join_overflows)
+        used: dict[str, float] = {}
+        for tenant, ratio in counts.budget_used.items():
+            label = self.labels(tenant)
+            used[label] = max(ratio, used.get(label, 0.0))
+        for label, ratio in sorted(used.items()):
+            fam[BUDGET_USED.name].add_metric([label], ratio)
         yield from fam.values()
 
     def _engine_families(self, fam: dict[str, Metric], state: EngineState, tokens: Counter) -> None:

@@ -8,6 +8,8 @@ of the process:
 - `join`: the in-flight registry and the request join (stats + engine events);
 - `metrics`: the Prometheus collector;
 - `writer`: the usage-ledger writer, when a ledger is configured (`KVLEASE_USAGE_DB`);
+- `budgets`: the month-to-date spend of budgeted tenants, when a budget file is
+  configured (`KVLEASE_BUDGETS`; it needs the ledger);
 - a TracerProvider, when tracing is on (`KVLEASE_OTEL`).
 
 `start()` is idempotent (the admin plugin and the stat logger both call it, in
@@ -17,20 +19,25 @@ half-joined requests, commit queued records, flush spans.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
 
 from prometheus_client.core import REGISTRY
 
+from engine.budgets import BUDGETS_ENV
 from engine.labels import TenantLabels
 from engine.tenancy import TierTable
 from exporters import tracing
 from exporters.join import RequestJoin
 from exporters.ledger import DB_ENV, UsageLedger
 from exporters.metrics import ProcessCounts, TenantMetrics
+from exporters.spend import SpendTracker
 from exporters.view import EngineView
 from exporters.writer import LedgerWriter
+
+logger = logging.getLogger("kvlease.telemetry")
 
 
 class Telemetry:
@@ -39,6 +46,7 @@ class Telemetry:
         self.join = RequestJoin()
         self.metrics: TenantMetrics | None = None
         self.writer: LedgerWriter | None = None
+        self.budgets: SpendTracker | None = None
         self._tracer_provider: Any = None
         self._lock = threading.Lock()
 
@@ -55,6 +63,11 @@ class Telemetry:
             if os.environ.get(DB_ENV):
                 self.writer = LedgerWriter(UsageLedger(os.environ[DB_ENV]), tiers)
                 self.join.consumers.append(self.writer)
+                if os.environ.get(BUDGETS_ENV):
+                    path = os.environ[BUDGETS_ENV]
+                    self.budgets = SpendTracker(self.writer.ledger, tiers, path).start()
+            elif os.environ.get(BUDGETS_ENV):
+                logger.error("kvlease: %s is set but no usage ledger: budgets off", BUDGETS_ENV)
             self._tracer_provider = tracing.install(self.join)
             if self.join.consumers:
                 self.view.add_listener(self.join.engine_event)
@@ -64,6 +77,8 @@ class Telemetry:
     def stop(self) -> None:
         """At shutdown, after the engine has stopped: nothing queued is lost."""
         self.view.stop()
+        if self.budgets is not None:
+            self.budgets.close()
         self.join.flush()  # pending spans and usage records go out now
         if self.writer is not None:
             self.writer.close()  # commit what is queued
@@ -79,7 +94,12 @@ class Telemetry:
         writer, overflows = self.writer, self.join.overflowed
         if writer is None:
             return ProcessCounts(join_overflows=overflows)
-        return ProcessCounts(writer.written, writer.write_errors, writer.dead_letters, overflows)
+        used = {}
+        if self.budgets is not None:
+            used = {t: v.ratio for t, v in self.budgets.verdicts().items()}
+        return ProcessCounts(
+            writer.written, writer.write_errors, writer.dead_letters, overflows, used
+        )
 
 
 TELEMETRY = Telemetry()

@@ -308,6 +308,15 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
             unit=f"currency{tiers.currency}",
         ),
         Panel(
+            "Monthly budget used by tenant",
+            "Month-to-date spend over each budgeted tenant's monthly budget (the budget "
+            "file, `kvlease serve --budgets`): 1 is the budget spent. Spend is the ledger's, "
+            f"fleet-wide on a shared ledger. Alerts at {m.BUDGET_ALERT:.0%} and at 100%.",
+            _q(f"max by (tenant_id) ({m.BUDGET_USED.name}{{{TENANT}}})", "{{tenant_id}}"),
+            kind="bargauge",
+            unit="percentunit",
+        ),
+        Panel(
             "Requests by outcome",
             "Finished requests per second: completed, aborted (client gone), failed.",
             _q(
@@ -571,6 +580,30 @@ def alert_rules(tiers: TierTable) -> list[dict[str, Any]]:
                 "description": "The engine's event buffer overflowed: counters stay exact, but "
                 "spans and the dashboard's event timeline miss {{ $value | humanize }} events. "
                 f"Raise {KEYS['event_capacity']} or check that the API process keeps up.",
+            },
+        },
+        {
+            "alert": "KvleaseBudgetNearlySpent",
+            "expr": f"max by (tenant_id) ({m.BUDGET_USED.name}) >= {m.BUDGET_ALERT}",
+            "for": "5m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Tenant {{ $labels.tenant_id }} has spent "
+                f"{m.BUDGET_ALERT:.0%} of its monthly budget",
+                "description": "Month-to-date spend is {{ $value | humanizePercentage }} of "
+                "the budget in the budget file; at 100% its requests get a warning header "
+                "or HTTP 429 budget_exceeded (its on_exceed).",
+            },
+        },
+        {
+            "alert": "KvleaseBudgetExceeded",
+            "expr": f"max by (tenant_id) ({m.BUDGET_USED.name}) >= 1",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Tenant {{ $labels.tenant_id }} has spent its monthly budget",
+                "description": "Month-to-date spend is {{ $value | humanizePercentage }} of "
+                "its budget: its requests are refused with 429 budget_exceeded or served "
+                "with X-Kvlease-Budget: exceeded, until the month ends or the budget rises.",
             },
         },
         {

@@ -29,6 +29,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from engine.auth import (
@@ -39,6 +40,7 @@ from engine.auth import (
     KeyConfigError,
     KeyRing,
 )
+from engine.budgets import Verdict
 from engine.labels import hash_key_from_env
 from engine.tenancy import TenantContext, TierTable
 from exporters.join import InFlight, new_request_id
@@ -280,6 +282,18 @@ class TenantMiddleware:
         if self._someone_elses_response(scope["path"], ctx):
             await send_error(send, 404, "no such response", "not_found")
             return
+        budget = TELEMETRY.budgets.verdict(ctx.tenant_id) if TELEMETRY.budgets else None
+        if budget is not None and budget.blocked:
+            await send_error(
+                send,
+                429,
+                f"tenant {ctx.tenant_id!r} has spent its monthly budget "
+                f"({budget.budget.monthly} {self.config.tiers.currency}); it renews at the "
+                "start of the next month (UTC)",
+                "budget_exceeded",
+                [(b"retry-after", str(_seconds_to_next_month()).encode())],
+            )
+            return
         limit = self.config.tiers[ctx.tier].max_concurrent_requests
         if limit is not None and self.in_flight[ctx.tenant_id] >= limit:
             await send_error(
@@ -293,19 +307,19 @@ class TenantMiddleware:
             return
         self.in_flight[ctx.tenant_id] += 1
         try:
-            await self._admitted(scope, receive, send, ctx)
+            await self._admitted(scope, receive, send, ctx, _budget_headers(budget))
         finally:
             self.in_flight[ctx.tenant_id] -= 1
             if not self.in_flight[ctx.tenant_id]:
                 del self.in_flight[ctx.tenant_id]
 
     async def _admitted(
-        self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext
+        self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext, headers=()
     ) -> None:
         request_id = new_request_id()
         entry = InFlight(ctx, scope["path"], time.time_ns(), _header(scope, b"traceparent"))
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
-        scope["headers"] = [*headers, (b"x-request-id", request_id.encode())]
+        kept = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
+        scope["headers"] = [*kept, (b"x-request-id", request_id.encode())]
         if scope["method"] == "POST":
             rewritten = await self._rewrite_body(scope, receive, send, entry, request_id)
             if rewritten is None:
@@ -317,7 +331,7 @@ class TenantMiddleware:
         record = None  # resolved once this request's usage record has committed
         if writer is not None and generation:
             record = writer.expect(request_id)
-        response = _Response(send, scope["path"], request_id, entry, record, generation)
+        response = _Response(send, scope["path"], request_id, entry, record, generation, headers)
         join.in_flight[request_id] = entry
         try:
             await self.app(scope, receive, response.send)
@@ -427,23 +441,24 @@ class _Response:
         entry: InFlight,
         record: asyncio.Future | None,
         generation: bool,
+        headers=(),
     ) -> None:
         self._send, self.path, self.request_id, self.record = send, path, request_id, record
+        self.headers = [(b"x-request-id", request_id.encode()), *headers]
         self.entry, self.generation = entry, generation
         self.unsupported = False
         self.hold = False
         self.ended = False  # the last body chunk went out
 
     async def send(self, message: Message) -> None:
-        rid = (b"x-request-id", self.request_id.encode())
         if message["type"] == "http.response.start":
             self.hold = self.record is not None and message["status"] == 200
             if message["status"] == 501:
                 self.unsupported = True
                 msg = f"{self.path} is not supported by the served model"
-                await send_error(self._send, 404, msg, "not_supported", [rid])
+                await send_error(self._send, 404, msg, "not_supported", self.headers)
                 return
-            message["headers"] = [*message.get("headers", []), rid]
+            message["headers"] = [*message.get("headers", []), *self.headers]
         elif self.unsupported:
             return
         elif not message.get("more_body", False):
@@ -454,6 +469,24 @@ class _Response:
                 await _until_committed(self.record, self.request_id)
             self.ended = True
         await self._send(message)
+
+
+def _budget_headers(verdict: Verdict | None) -> list[tuple[bytes, bytes]]:
+    """A budgeted tenant's responses say how much of the month's budget is spent, and,
+    past it under `on_exceed = "warn"`, that it is exceeded."""
+    if verdict is None:
+        return []
+    headers = [(b"x-kvlease-budget-used", f"{verdict.ratio:.4f}".encode())]
+    if verdict.exceeded:
+        headers.append((b"x-kvlease-budget", b"exceeded"))
+    return headers
+
+
+def _seconds_to_next_month() -> int:
+    now = datetime.now(UTC)
+    first = (now.replace(day=1) + timedelta(days=32)).replace(day=1)
+    start = first.replace(hour=0, minute=0, second=0, microsecond=0)
+    return max(1, int((start - now).total_seconds()))
 
 
 async def _until_committed(record: asyncio.Future, request_id: str) -> None:

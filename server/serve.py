@@ -36,6 +36,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from engine.auth import KEYS_ENV
+from engine.budgets import BUDGETS_ENV, BudgetConfigError, BudgetTable
 from engine.labels import HASH_ENV as HASH_LABELS_ENV
 from engine.labels import MAX_ENV as MAX_LABELS_ENV
 from engine.policy import lease_caps_error, tenant_cap_error
@@ -68,6 +69,7 @@ def _kvlease_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--metrics-auth", action="store_true")
     parser.add_argument("--hash-tenant-labels", action="store_true")
     parser.add_argument("--usage-db", default=None)
+    parser.add_argument("--budgets", default=None)
     parser.add_argument("-h", "--help", action="store_true")
     return parser.parse_known_args(list(argv))
 
@@ -139,7 +141,8 @@ def run_serve(argv: Sequence[str]) -> int:
         print(__doc__)
         print(
             "kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N  "
-            "--max-tenant-labels N  --otel  --usage-db URL  --metrics-auth  --hash-tenant-labels"
+            "--max-tenant-labels N  --otel  --usage-db URL  --budgets PATH  --metrics-auth  "
+            "--hash-tenant-labels"
         )
         print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
         return 0
@@ -151,6 +154,8 @@ def run_serve(argv: Sequence[str]) -> int:
         os.environ[TIERS_ENV] = str(Path(args.tiers).resolve())
     if args.jwt_keys:
         os.environ[KEYS_ENV] = str(Path(args.jwt_keys).resolve())
+    if args.budgets:
+        os.environ[BUDGETS_ENV] = str(Path(args.budgets).resolve())
     if args.max_tenant_labels is not None:
         os.environ[MAX_LABELS_ENV] = str(args.max_tenant_labels)
     if args.otel:
@@ -173,7 +178,15 @@ def run_serve(argv: Sequence[str]) -> int:
         ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
         require_vllm()
         check_dependencies()
-    except (ConfigError, TierConfigError, VllmVersionError, DependencyError) as exc:
+        if os.environ.get(BUDGETS_ENV):
+            BudgetTable.load(os.environ[BUDGETS_ENV])
+    except (
+        ConfigError,
+        TierConfigError,
+        BudgetConfigError,
+        VllmVersionError,
+        DependencyError,
+    ) as exc:
         print(f"kvlease serve: error: {exc}", file=sys.stderr)
         return 2
 

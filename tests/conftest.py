@@ -81,7 +81,7 @@ def kvlease_engine(demo_model):
 
 @pytest.fixture(scope="session")
 def postgres_url():
-    from pg import postgres_cluster
+    from bench.postgres import postgres_cluster
 
     with postgres_cluster() as url:
         yield url
@@ -131,7 +131,12 @@ def pressured_server(kvlease_home, tmp_path_factory, pressured_ledger):
     browser module runs first (file order) and opens with the idle-engine page."""
     from servers import kvlease_serve
 
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = kvlease_serve(kvlease_home, log, "--usage-db", pressured_ledger, "--num-blocks", "48")
+    folder = tmp_path_factory.mktemp("serve")
+    budgets = folder / "budgets.toml"  # budgets far above any spend: the Grafana panel's data
+    budgets.write_text(
+        "".join(f'[tenants.{t}]\nmonthly = "1000000"\n' for t in ("premium-a", "premium-g"))
+    )
+    args = ["--usage-db", pressured_ledger, "--num-blocks", "48", "--budgets", str(budgets)]
+    srv = kvlease_serve(kvlease_home, folder / "server.log", *args)
     yield srv
     srv.stop(signal.SIGKILL)

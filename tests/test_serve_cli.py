@@ -92,3 +92,13 @@ def test_an_unreachable_ledger_is_one_line_without_its_password():
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("kvlease serve: error: usage ledger") and "hunter2" not in line
     assert "***" in line
+
+
+def test_serve_refuses_a_bad_budget_file(tmp_path):
+    bad = tmp_path / "budgets.toml"
+    bad.write_text('[tenants.acme]\nmonthly = "-5"\n')
+    done = _serve("--budgets", str(bad), "--usage-db", f"sqlite:///{tmp_path / 'u.db'}")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"kvlease serve: error: budgets {bad}: tenants.acme.monthly must be above 0"
+    ]

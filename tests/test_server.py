@@ -27,10 +27,25 @@ MODEL = "kvlease-demo"
 CHAT = [{"role": "user", "content": "Tell me about the cache."}]
 
 
+BUDGETS = """
+refresh_seconds = 1
+[tenants.spender]
+monthly = "0.000001"
+on_exceed = "block"
+[tenants.warned]
+monthly = "0.000001"
+[tenants.roomy]
+monthly = "1000000"
+on_exceed = "block"
+"""
+
+
 @pytest.fixture(scope="module")
 def server(kvlease_home, tmp_path_factory, usage_db):
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = kvlease_serve(kvlease_home, log, "--usage-db", usage_db)
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "budgets.toml").write_text(BUDGETS)
+    budgets = ["--budgets", str(folder / "budgets.toml")]
+    srv = kvlease_serve(kvlease_home, folder / "server.log", "--usage-db", usage_db, *budgets)
     yield srv
     srv.stop(signal.SIGKILL)
 
@@ -61,6 +76,50 @@ def test_openai_client_chats_and_completes_with_a_minted_token(server):
     completion = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
     assert completion.usage.completion_tokens == 5
     assert [m.id for m in c.models.list()] == [MODEL]
+
+
+def _spend_until_refused(c: openai.OpenAI) -> openai.RateLimitError:
+    """Requests until the budget refresher has seen the spend (it runs every second, off
+    the request path): bounded by count, each attempt a real request."""
+    for _ in range(120):
+        try:
+            c.completions.create(model=MODEL, prompt="Budgets", max_tokens=4)
+        except openai.RateLimitError as exc:
+            return exc
+        time.sleep(0.5)
+    raise AssertionError("the budget never blocked")
+
+
+def test_a_tenant_past_its_budget_gets_429_budget_exceeded_in_openai_shape(server):
+    refused = _spend_until_refused(client(server, "spender", "standard"))
+    error = refused.body if isinstance(refused.body, dict) else {}
+    assert refused.status_code == 429 and refused.code == "budget_exceeded"
+    assert "monthly budget" in error.get("message", "") and error.get("type")
+    assert int(refused.response.headers["retry-after"]) > 0
+    # The gauge the KvleaseBudgetNearlySpent / KvleaseBudgetExceeded alerts read.
+    metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
+    gauge = 'vllm_tenant_budget_used_ratio{tenant_id="spender"}'
+    assert float(next(x for x in metrics if x.startswith(gauge)).rsplit(" ", 1)[1]) >= 1
+
+
+def test_a_warned_tenant_past_its_budget_is_served_with_a_header(server):
+    c = client(server, "warned", "standard")
+    for _ in range(120):
+        raw = c.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=4)
+        if raw.headers.get("x-kvlease-budget") == "exceeded":
+            break
+        time.sleep(0.5)
+    assert raw.headers["x-kvlease-budget"] == "exceeded"
+    assert float(raw.headers["x-kvlease-budget-used"]) >= 1
+    roomy = client(server, "roomy", "free").completions.with_raw_response.create(
+        model=MODEL, prompt="Hi", max_tokens=4
+    )
+    assert float(roomy.headers["x-kvlease-budget-used"]) < 0.8
+    assert "x-kvlease-budget" not in roomy.headers
+    unbudgeted = client(server, "acme", "free").completions.with_raw_response.create(
+        model=MODEL, prompt="Hi", max_tokens=4
+    )
+    assert "x-kvlease-budget-used" not in unbudgeted.headers
 
 
 def _b64(data: dict) -> str:

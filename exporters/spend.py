@@ -1,0 +1,99 @@
+"""Month-to-date spend of the tenants with a budget, kept fresh away from the request path.
+
+Invariant: `verdict()` never touches the database. It reads the last refresh, a dict
+replaced whole, so a request pays one lookup. A thread refreshes every
+`refresh_seconds` of the budget file: one rollups query restricted to the budgeted
+tenants (the rollups' primary key starts with the tenant, so it reads only their rows),
+priced with the export's own `billing.cost`. With a shared PostgreSQL ledger the spend
+is the fleet's. The budget file is re-read when it changes; a file that no longer loads
+keeps the last good table, with an error in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from decimal import Decimal
+
+from engine.budgets import BudgetConfigError, BudgetTable, Verdict
+from engine.tenancy import TierTable
+from exporters.billing import cost, period
+from exporters.ledger import UsageLedger, one_line
+from exporters.rollups import DAY
+
+logger = logging.getLogger("kvlease.budgets")
+
+
+class SpendTracker:
+    def __init__(
+        self,
+        ledger: UsageLedger,
+        tiers: TierTable,
+        path: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ledger, self.tiers, self.path, self.clock = ledger, tiers, path, clock
+        self.table = BudgetTable.load(path)  # a bad file at start is the caller's error
+        self._mtime = _mtime(path)
+        self._verdicts: dict[str, Verdict] = {}
+        self.refreshed_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def verdict(self, tenant_id: str) -> Verdict | None:
+        """The tenant's month so far against its budget; None without a budget. O(1)."""
+        return self._verdicts.get(tenant_id)
+
+    def verdicts(self) -> dict[str, Verdict]:
+        return self._verdicts
+
+    def refresh(self) -> None:
+        """Re-read the file if it changed, then the budgeted tenants' spend this month."""
+        self._reload()
+        budgets = self.table.budgets
+        spent = dict.fromkeys(budgets, Decimal(0))
+        if budgets:
+            start, end = period(self.clock(), "month")
+            for rollup in self.ledger.rollups(start, end, list(budgets), DAY):
+                spent[rollup.tenant_id] += cost(rollup, self.tiers)
+        self._verdicts = {t: Verdict(budgets[t], s) for t, s in spent.items()}
+        self.refreshed_at = self.clock()
+
+    def _reload(self) -> None:
+        mtime = _mtime(self.path)
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            self.table = BudgetTable.load(self.path)
+            logger.info("kvlease: budgets reloaded from %s", self.path)
+        except BudgetConfigError as exc:
+            logger.error("kvlease: budgets file changed but does not load, kept: %s", exc)
+
+    def start(self) -> SpendTracker:
+        self._thread = threading.Thread(target=self._run, name="kvlease-budgets", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception as exc:  # the ledger may be down: keep the last spend, retry
+                logger.error("kvlease: budget spend not refreshed: %s", one_line(exc))
+            self._stop.wait(self.table.refresh_seconds)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
