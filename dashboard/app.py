@@ -9,7 +9,7 @@ from datetime import UTC, date, datetime, timedelta
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data
+from dashboard import charts, data, usage
 from engine.tenancy import TierTable
 from exporters.billing import GRANULARITIES, parse_window
 
@@ -33,9 +33,18 @@ def tier_table() -> TierTable:
 
 
 @st.cache_data(ttl=10, show_spinner=False, max_entries=16)
-def load_usage(url: str, start: float, end: float, granularity: str) -> tuple[list[dict], bytes]:
-    rows = data.load_usage(url, start, end, granularity, tier_table())
-    return rows, data.focus_csv(rows)
+def load_finance(url: str, start: float, end: float) -> usage.Finance:
+    return usage.load_finance(url, start, end, tier_table())
+
+
+@st.cache_data(ttl=10, show_spinner=False, max_entries=32)
+def load_statement(url: str, tenant: str, start: float, end: float) -> usage.Statement:
+    return usage.load_statement(url, tenant, start, end, tier_table())
+
+
+@st.cache_data(ttl=30, show_spinner=False, max_entries=8)
+def load_prometheus_totals(url: str, start: float, end: float) -> dict:
+    return usage.PrometheusTotals(url).totals(start, end)
 
 
 def live_page() -> None:
@@ -136,28 +145,57 @@ def usage_page() -> None:
     search = st.text_input("Search tenants", key="usage_search")
     try:
         lo, hi = parse_window(str(start), str(end))
-        rows, csv = load_usage(CONFIG.usage_db, lo, hi, granularity)
+        finance = load_finance(CONFIG.usage_db, lo, hi)
     except (ValueError, data.SourceError) as err:
         st.error(str(err))
         return
-    tiers = tier_table()
-    table = data.usage_by_tenant(rows)
+    currency = finance.currency
+    table = finance.tenants
     if search:
         table = table[table["tenant_id"].str.contains(search, case=False, regex=False)]
+    cost, before = sum(table["cost"]), sum(table["previous_cost"])
     c1, c2, c3 = st.columns(3)
-    c1.metric("Cost", f"{sum(table['cost']):.4f} {tiers.currency}")
+    c1.metric(
+        "Cost",
+        f"{cost:.4f} {currency}",
+        f"{cost - before:+.4f} vs the period before",
+        delta_color="off",
+    )
     c2.metric("Requests", int(table["requests"].sum()))
-    c3.metric("Tenants", len(table))
+    c3.metric("Tenants", int((table["requests"] > 0).sum()))
+    tiers = tier_table()
     st.download_button(
         "Download FOCUS CSV",
-        csv,
+        lambda: usage.focus_csv(CONFIG.usage_db, lo, hi, granularity, tiers),
         file_name=f"kvlease-usage-{start}-{end}-{granularity}.csv",
         mime="text/csv",
         help="The file `kvlease usage export` writes for this period and granularity.",
     )
+    by_tenant, over_time, statement, reconciliation = st.tabs(
+        ["Tenants", "Over time", "Statement", "Reconciliation"]
+    )
+    with by_tenant:
+        tenants_view(table, currency)
+    with over_time:
+        stack = st.radio("Stack by", ["tier", "tenant"], horizontal=True, key="stack")
+        series = usage.cost_over_time(finance.daily, by=stack)
+        st.plotly_chart(charts.cost_over_time(series, currency, stack), key="over_time")
+    with statement:
+        statement_view(finance, lo, hi)
+    with reconciliation:
+        reconciliation_view(finance, lo, hi)
+
+
+def tenants_view(table: pd.DataFrame, currency: str) -> None:
+    shown = table.assign(
+        cost=[f"{c:.6f}" for c in table["cost"]],
+        change=[f"{c:+.6f}" for c in table["change"]],
+        change_pct=usage.change_percent(table),
+    ).drop(columns=["previous_cost"])
     st.dataframe(
-        table.assign(cost=[f"{c:.6f}" for c in table["cost"]]).astype({"block_hours": float}),
+        shown.astype({"block_hours": float}),
         hide_index=True,
+        key="tenants",
         column_config={
             "tenant_id": "tenant",
             "input_tokens": "input tokens",
@@ -173,10 +211,69 @@ def usage_page() -> None:
                 "lease reused", help="of those, served from the prefix cache: what leasing bought"
             ),
             "block_hours": st.column_config.NumberColumn("KV block-hours", format="%.4f"),
-            "cost": f"cost ({tiers.currency})",
+            "cost": f"cost ({currency})",
+            "change": st.column_config.TextColumn(
+                f"change ({currency})", help="against the period of the same length before"
+            ),
+            "change_pct": st.column_config.NumberColumn("change %", format="%+.1f%%"),
         },
     )
-    st.plotly_chart(charts.cost_bars(table, tiers.currency))
+    st.plotly_chart(charts.cost_bars(table[table["requests"] > 0], currency), key="cost_bars")
+
+
+def statement_view(finance: usage.Finance, lo: float, hi: float) -> None:
+    tenants = sorted(finance.tenants.loc[finance.tenants["requests"] > 0, "tenant_id"])
+    if not tenants:
+        st.info("No usage in this period.")
+        return
+    tenant = st.selectbox("Tenant", tenants, key="statement_tenant")
+    try:
+        s = load_statement(CONFIG.usage_db, tenant, lo, hi)
+    except data.SourceError as err:
+        st.error(str(err))
+        return
+    st.dataframe(
+        s.lines.assign(cost=[f"{c:.6f}" for c in s.lines["cost"]]).astype({"block_hours": float}),
+        hide_index=True,
+        key="statement_lines",
+    )
+    st.metric("Statement total", f"{s.total:.6f} {s.currency}")
+    c1, c2 = st.columns(2)
+    name = f"kvlease-statement-{tenant}-{_day(lo)}-{_day(hi)}"
+    c1.download_button(
+        "Statement CSV", usage.statement_csv(s), file_name=f"{name}.csv", mime="text/csv"
+    )
+    c2.download_button(
+        "Printable statement (HTML)",
+        usage.statement_html(s),
+        file_name=f"{name}.html",
+        mime="text/html",
+        help="A self-contained page: open it and print, or save as PDF.",
+    )
+
+
+def reconciliation_view(finance: usage.Finance, lo: float, hi: float) -> None:
+    if not CONFIG.prometheus:
+        st.info(
+            "Start the dashboard with --prometheus URL to compare the ledger with the "
+            "Prometheus counters of the same window."
+        )
+        return
+    try:
+        totals = load_prometheus_totals(CONFIG.prometheus, lo, hi)
+    except data.SourceError as err:
+        st.error(str(err))
+        return
+    st.caption(
+        "Ledger totals against the increase of kvlease's counters over the same window. "
+        "Prometheus extrapolates to the window's edges and starts at its first scrape: "
+        "small differences are expected, a large one means lost records or samples."
+    )
+    st.dataframe(usage.reconcile(finance.tenants, totals), hide_index=True, key="reconcile")
+
+
+def _day(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d")
 
 
 def _next_month(first: date) -> date:

@@ -174,3 +174,22 @@ def cost_bars(usage: pd.DataFrame, currency: str, top: int = 30) -> go.Figure:
     )
     fig.update_layout(height=360, xaxis={"categoryorder": "total descending"})
     return fig
+
+
+def cost_over_time(series: pd.DataFrame, currency: str, by: str) -> go.Figure:
+    """Cost per UTC day, stacked by tier or by the top tenants."""
+    title = f"Cost per day by {by} ({currency})"
+    if series.empty:
+        return _empty(title, "No usage recorded in this period.")
+    colors = TIER_COLORS if by == "tier" else None
+    fig = px.bar(
+        series,
+        x="day",
+        y="cost",
+        color="series",
+        color_discrete_map=colors,
+        labels={"day": "day (UTC)", "cost": currency, "series": by},
+        title=title,
+    )
+    fig.update_layout(height=380, barmode="stack")
+    return fig

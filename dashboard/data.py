@@ -3,11 +3,10 @@
 Two live sources give the same `Live` picture: one engine's admin API
 (`/admin/state` + `/admin/history`: a single node, exact, the last ten
 minutes kept by the server) or a Prometheus server (a fleet of replicas,
-summed by tenant). Usage comes from the ledger, through the same export
-function as `kvlease usage export`, so the page's CSV is the CLI's file.
+summed by tenant). Usage and billing figures are in `dashboard.usage`.
 
-Fetching (`EngineSource`, `PrometheusSource`, `load_usage`) is separate from
-shaping (`live_from_engine`, `live_from_prometheus`, `usage_by_tenant`), which
+Fetching (`EngineSource`, `PrometheusSource`) is separate from shaping
+(`live_from_engine`, `live_from_prometheus`), which
 are pure and unit-tested. Every failure to reach a source is a `SourceError`
 with a sentence for the banner, never a traceback.
 """
@@ -21,7 +20,6 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from decimal import Decimal
 from typing import Any
 
 import httpx
@@ -470,70 +468,3 @@ def top_tenant_ids(occupancy: pd.DataFrame, top: int) -> list[str]:
         return []
     totals = occupancy.groupby("tenant_id")["blocks"].sum().sort_values(ascending=False)
     return list(totals.index[:top])
-
-
-# -- usage (the ledger) ---------------------------------------------------------------------
-
-USAGE_COLUMNS = [
-    "tenant_id",
-    "tier",
-    "requests",
-    "input_tokens",
-    "cached_input_tokens",
-    "output_tokens",
-    "recomputed_tokens",
-    "lease_covered_tokens",
-    "lease_reused_tokens",
-    "block_hours",
-    "preemptions",
-    "cost",
-]
-
-
-def load_usage(url: str, start: float, end: float, granularity: str, tiers) -> list[dict]:
-    """FOCUS rows for the window, exactly as the export computes them."""
-    from exporters.billing import focus_rows
-    from exporters.ledger import UsageLedger, one_line
-
-    try:
-        records = UsageLedger(url, create=False).read(start, end)
-        return list(focus_rows(records, granularity, tiers, (start, end)))
-    except Exception as exc:  # SQLAlchemy's errors vary by driver; the banner needs one line
-        raise SourceError(f"The usage ledger is not readable ({one_line(exc)}).") from None
-
-
-def focus_csv(rows: Iterable[dict[str, str]]) -> bytes:
-    """The FOCUS CSV of `kvlease usage export` for the rows `load_usage` gave, byte for
-    byte: the export writes its rows with the same `csv_chunks`."""
-    from exporters.billing import FOCUS_COLUMNS, csv_chunks
-
-    return "".join(csv_chunks(rows, FOCUS_COLUMNS)).encode()
-
-
-def usage_by_tenant(rows: Iterable[dict[str, str]]) -> pd.DataFrame:
-    """FOCUS rows -> one row per tenant, with exact decimal cost (shown to the cent+)."""
-    totals: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        t = totals.setdefault(row["SubAccountId"], _empty_usage())
-        t["tier"].update(row["x_Tier"].split(","))
-        t["requests"] += int(row["x_Requests"])
-        t["input_tokens"] += int(row["x_InputTokens"])
-        t["cached_input_tokens"] += int(row["x_CachedInputTokens"])
-        t["output_tokens"] += int(row["x_OutputTokens"])
-        t["recomputed_tokens"] += int(row["x_RecomputedTokens"])
-        t["lease_covered_tokens"] += int(row["x_LeaseCoveredTokens"])
-        t["lease_reused_tokens"] += int(row["x_LeaseReusedTokens"])
-        t["block_hours"] += Decimal(row["x_BlockHours"])
-        t["preemptions"] += int(row["x_Preemptions"])
-        t["cost"] += Decimal(row["BilledCost"])
-    out = [
-        {**t, "tenant_id": tenant, "tier": ",".join(sorted(t["tier"]))}
-        for tenant, t in totals.items()
-    ]
-    frame = pd.DataFrame(out, columns=USAGE_COLUMNS)
-    return frame.sort_values(["cost", "tenant_id"], ascending=[False, True]).reset_index(drop=True)
-
-
-def _empty_usage() -> dict[str, Any]:
-    counts = {c: 0 for c in USAGE_COLUMNS if c not in ("tenant_id", "tier", "block_hours", "cost")}
-    return {"tier": set(), "block_hours": Decimal(0), "cost": Decimal(0), **counts}

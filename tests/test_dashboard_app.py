@@ -69,12 +69,20 @@ def test_usage_page_shows_tenants_costs_and_the_download(page, november_ledger):
     app.date_input(key="to").set_value("2026-12-01")
     app.run()
     assert not app.exception and not app.error
-    [table] = app.dataframe
-    assert sorted(table.value["tenant_id"]) == ["acme", "bob", "cy"]
+    tenants, lines = app.dataframe
+    assert sorted(tenants.value["tenant_id"]) == ["acme", "bob", "cy"]
     assert app.metric[1].value == "4"  # requests
-    [button] = app.get("download_button")
-    assert button.proto.label == "Download FOCUS CSV"
+    labels = [b.proto.label for b in app.get("download_button")]
+    assert labels == ["Download FOCUS CSV", "Statement CSV", "Printable statement (HTML)"]
+    assert [t.label for t in app.tabs] == ["Tenants", "Over time", "Statement", "Reconciliation"]
+    assert app.selectbox(key="statement_tenant").value == "acme"
+    assert list(lines.value["requests"]) == [2]
+    assert "--prometheus" in app.info[0].value  # reconciliation needs a Prometheus
 
+    app.selectbox(key="statement_tenant").set_value("cy").run()
+    assert list(app.dataframe[1].value["tier"]) == ["standard"]
+    app.radio(key="stack").set_value("tenant").run()
+    assert not app.exception
     app.text_input(key="usage_search").input("ac").run()
     assert list(app.dataframe[0].value["tenant_id"]) == ["acme"]
 

@@ -77,7 +77,15 @@ def test_an_idle_engine_shows_an_empty_page_not_an_error(server, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def traffic(server):
+def prom(server, tmp_path_factory):
+    """A Prometheus scraping the server from before the traffic: the usage page's
+    reconciliation compares its counters with the ledger."""
+    with prometheus([f"127.0.0.1:{server.port}"], tmp_path_factory.mktemp("prom")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def traffic(server, prom):
     with Traffic(server, TENANTS) as load:
         load.wait_for(6)
         yield load
@@ -85,11 +93,12 @@ def traffic(server):
 
 
 @pytest.fixture(scope="module")
-def dashboard(server, pressured_ledger, tmp_path_factory):
+def dashboard(server, pressured_ledger, prom, tmp_path_factory):
     port = free_port()
     env = {**os.environ, **_admin_env(server), "KVLEASE_USAGE_DB": pressured_ledger}
     log = (tmp_path_factory.mktemp("dashboard") / "streamlit.log").open("w")
     argv = [*DASHBOARD, "--engine", server.url, "--usage-db", pressured_ledger]
+    argv += ["--prometheus", prom]
     proc = subprocess.Popen(
         [*argv, "--port", str(port), *SLOWER],
         env=env,
@@ -202,5 +211,41 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     assert main([*export, "-o", str(expected)]) == 0
     assert got.read_bytes() == expected.read_bytes()
     assert got.read_text().count("premium-a") >= 1
-    _screenshot(page, ARTIFACTS / "dashboard-usage.png", charts=1)
+    _screenshot(page, ARTIFACTS / "dashboard-usage.png", charts=2)
+
+    page.get_by_role("tab", name="Over time").click()
+    bars = page.locator(".js-plotly-plot .legendtext", has_text="premium")
+    bars.first.wait_for(timeout=30_000)  # cost per day, stacked by tier
+    page.get_by_role("tab", name="Statement").click()
+    page.get_by_text("Statement total").first.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Printable statement (HTML)").click()
+    statement = tmp_path / "statement.html"
+    download.value.save_as(statement)
+    assert "Usage statement" in statement.read_text() and "Total:" in statement.read_text()
+    page.get_by_role("tab", name="Reconciliation").click()
+    page.get_by_text("Ledger totals against the increase").first.wait_for(timeout=30_000)
+    assert page.locator("[data-testid='stException']").count() == 0
+    _screenshot(page, ARTIFACTS / "dashboard-reconciliation.png", charts=2)
     page.close()
+
+
+def test_reconciliation_reads_the_real_prometheus_for_the_ledgers_window(
+    traffic, prom, pressured_ledger, tiers
+):
+    """The counters Prometheus scraped and the ledger, for this month: per tenant label,
+    the difference is what the view shows (increase() extrapolates; it is not zero)."""
+    from dashboard import usage
+    from exporters.billing import parse_window
+
+    traffic.halt()
+    lo, hi = parse_window(None, None)
+    wait_for_series(prom, 'vllm_tenant_requests_total{tenant_id="premium-a"}')
+    finance = usage.load_finance(pressured_ledger, lo, hi, tiers)
+    totals = usage.PrometheusTotals(prom).totals(lo, hi)
+    table = usage.reconcile(finance.tenants, totals).set_index(["tenant_id", "figure"])
+    row = table.loc[("premium-a", "requests")]
+    assert row["ledger"] == int(finance.tenants.set_index("tenant_id").loc["premium-a", "requests"])
+    assert row["prometheus"] > 0
+    assert row["difference"] == pytest.approx(row["prometheus"] - row["ledger"], abs=0.1)
+    assert ("(all)", "output_tokens") in table.index

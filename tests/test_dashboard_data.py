@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from decimal import Decimal
 
 import msgspec
 import pandas as pd
@@ -13,7 +12,6 @@ from dashboard import charts, data
 from engine.events import EngineState, Eviction, LeaseEvent, Preemption, Totals
 from engine.labels import TenantLabels
 from exporters.history import History
-from server.cli import main
 
 NOW = time.time()
 KVL = "kvl-" + "ab" * 16
@@ -265,37 +263,6 @@ def test_timeline_buckets_events_by_tier_and_reason():
     bars = {(t.name, tuple(t.y)) for t in figure.data}
     assert ("free, kv_pressure", (2,)) in bars
     assert ("standard, cache_eviction", (4,)) in bars
-
-
-def test_usage_by_tenant_totals_the_focus_rows_exactly(november_ledger, tiers):
-    lo, hi = 1_793_491_200.0, 1_796_083_200.0  # November 2026
-    rows = data.load_usage(november_ledger.url, lo, hi, "hour", tiers)
-    table = data.usage_by_tenant(rows).set_index("tenant_id")
-    assert table.loc["acme", "requests"] == 2 and table.loc["acme", "input_tokens"] == 2001
-    assert table.loc["acme", "recomputed_tokens"] == 140 and table.loc["acme", "preemptions"] == 2
-    assert table.loc["acme", "block_hours"] == Decimal("0.02")
-    assert table.loc["acme", ["lease_covered_tokens", "lease_reused_tokens"]].tolist() == [320, 320]
-    assert table.loc["acme", "cost"] == sum(
-        Decimal(r["BilledCost"]) for r in rows if r["SubAccountId"] == "acme"
-    )
-    assert table.index[0] == "acme"  # largest cost first
-    figure = charts.cost_bars(data.usage_by_tenant(rows), tiers.currency)
-    assert {t.name for t in figure.data} == {"premium", "free", "standard"}
-
-
-def test_the_page_csv_is_the_cli_export_byte_for_byte(november_ledger, tiers, tmp_path):
-    lo, hi = 1_793_491_200.0, 1_796_083_200.0
-    page = data.focus_csv(data.load_usage(november_ledger.url, lo, hi, "day", tiers))
-    out = tmp_path / "cli.csv"
-    window = ["--from", "2026-11-01", "--to", "2026-12-01", "--granularity", "day"]
-    url = november_ledger.url
-    assert main(["usage", "export", "--usage-db", url, *window, "-o", str(out)]) == 0
-    assert page == out.read_bytes() and page.count(b"\n") == 1 + 3 * 4  # 3 tenants x 4 SKUs
-
-
-def test_an_unreadable_ledger_is_a_source_error(tmp_path, tiers):
-    with pytest.raises(data.SourceError, match="ledger is not readable"):
-        data.load_usage("postgresql://nobody@127.0.0.1:1/none", 0, 1, "day", tiers)
 
 
 def test_config_comes_from_the_environment_and_refresh_is_at_least_2_s():
