@@ -177,9 +177,12 @@ def usage_page() -> None:
     with by_tenant:
         tenants_view(table, currency)
     with over_time:
-        stack = st.radio("Stack by", ["tier", "tenant"], horizontal=True, key="stack")
-        series = usage.cost_over_time(finance.daily, by=stack)
-        st.plotly_chart(charts.cost_over_time(series, currency, stack), key="over_time")
+        c1, c2 = st.columns(2)
+        measure = c1.radio("Show", ["cost", "tokens"], horizontal=True, key="measure")
+        stack = c2.radio("Stack by", ["tier", "tenant"], horizontal=True, key="stack")
+        series = usage.over_time(finance.daily, by=stack, measure=measure)
+        unit = currency if measure == "cost" else "tokens"
+        st.plotly_chart(charts.over_time(series, unit, stack), key="over_time")
     with statement:
         statement_view(finance, lo, hi)
     with reconciliation:

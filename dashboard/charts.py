@@ -176,19 +176,18 @@ def cost_bars(usage: pd.DataFrame, currency: str, top: int = 30) -> go.Figure:
     return fig
 
 
-def cost_over_time(series: pd.DataFrame, currency: str, by: str) -> go.Figure:
-    """Cost per UTC day, stacked by tier or by the top tenants."""
-    title = f"Cost per day by {by} ({currency})"
+def over_time(series: pd.DataFrame, unit: str, by: str) -> go.Figure:
+    """Cost or tokens per UTC day, stacked by tier or by the top tenants."""
+    title = f"{'Tokens' if unit == 'tokens' else 'Cost'} per day by {by} ({unit})"
     if series.empty:
         return _empty(title, "No usage recorded in this period.")
-    colors = TIER_COLORS if by == "tier" else None
     fig = px.bar(
         series,
         x="day",
-        y="cost",
+        y="value",
         color="series",
-        color_discrete_map=colors,
-        labels={"day": "day (UTC)", "cost": currency, "series": by},
+        color_discrete_map=TIER_COLORS if by == "tier" else None,
+        labels={"day": "day (UTC)", "value": unit, "series": by},
         title=title,
     )
     fig.update_layout(height=380, barmode="stack")

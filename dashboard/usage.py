@@ -6,7 +6,7 @@ sum of its FOCUS rows to the digit, and a month of millions of records is a quer
 over thousands of rollups, not a read of every record.
 
 Fetching (`load_finance`, `load_statement`, `focus_csv`, `PrometheusTotals`) is separate
-from shaping (`finance_frames`, `statement_lines`, `reconcile`, `cost_over_time`), which
+from shaping (`finance_frames`, `statement_lines`, `reconcile`, `over_time`), which
 are pure and unit-tested. Failures are `SourceError`s with one sentence for the banner.
 """
 
@@ -192,19 +192,24 @@ def change_percent(tenants: pd.DataFrame) -> list[float | None]:
     ]
 
 
-def cost_over_time(daily: pd.DataFrame, by: str = "tier", top: int = 8) -> pd.DataFrame:
-    """Cost per day stacked by tier, or by the `top` tenants of the window (the rest as
-    "other"): columns day, series, cost (float, for a chart only)."""
+def over_time(daily: pd.DataFrame, by: str = "tier", measure: str = "cost", top: int = 8):
+    """Cost (float, for a chart only) or tokens (input + output) per UTC day, stacked by
+    tier or by the `top` tenants of the window by that measure (the rest as "other"):
+    columns day, series, value."""
     if daily.empty:
-        return pd.DataFrame(columns=["day", "series", "cost"])
-    frame = daily.assign(cost=[float(c) for c in daily["cost"]])
+        return pd.DataFrame(columns=["day", "series", "value"])
+    if measure == "cost":
+        values = [float(c) for c in daily["cost"]]
+    else:
+        values = list(daily["input_tokens"] + daily["output_tokens"])
+    frame = daily.assign(value=values)
     if by == "tier":
         frame = frame.assign(series=frame["tier"])
     else:
-        totals = frame.groupby("tenant_id")["cost"].sum().sort_values(ascending=False)
+        totals = frame.groupby("tenant_id")["value"].sum().sort_values(ascending=False)
         keep = set(totals.index[:top])
         frame = frame.assign(series=[t if t in keep else "other" for t in frame["tenant_id"]])
-    out = frame.groupby(["day", "series"], as_index=False)["cost"].sum()
+    out = frame.groupby(["day", "series"], as_index=False)["value"].sum()
     return out.sort_values(["day", "series"]).reset_index(drop=True)
 
 

@@ -82,6 +82,7 @@ def test_usage_page_shows_tenants_costs_and_the_download(page, november_ledger):
     app.selectbox(key="statement_tenant").set_value("cy").run()
     assert list(app.dataframe[1].value["tier"]) == ["standard"]
     app.radio(key="stack").set_value("tenant").run()
+    app.radio(key="measure").set_value("tokens").run()
     assert not app.exception
     app.text_input(key="usage_search").input("ac").run()
     assert list(app.dataframe[0].value["tenant_id"]) == ["acme"]

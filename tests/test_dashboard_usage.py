@@ -62,16 +62,19 @@ def test_a_months_change_is_against_the_month_before(tmp_path, tiers):
     assert percent["acme"] == pytest.approx(100.0) and percent["gone"] == pytest.approx(-100.0)
 
 
-def test_cost_over_time_stacks_days_by_tier_or_top_tenants(november_ledger, tiers):
+def test_cost_and_tokens_over_time_stack_days_by_tier_or_top_tenants(november_ledger, tiers):
     finance = usage.load_finance(november_ledger.url, NOV, DEC, tiers)
     total = float(sum(finance.tenants["cost"]))
-    by_tier = usage.cost_over_time(finance.daily, "tier")
+    by_tier = usage.over_time(finance.daily, "tier")
     assert set(by_tier["series"]) == {"premium", "free", "standard"}
-    assert by_tier["cost"].sum() == pytest.approx(total)
-    by_tenant = usage.cost_over_time(finance.daily, "tenant", top=1)
+    assert by_tier["value"].sum() == pytest.approx(total)
+    by_tenant = usage.over_time(finance.daily, "tenant", top=1)
     assert set(by_tenant["series"]) == {"acme", "other"}
-    assert by_tenant["cost"].sum() == pytest.approx(total)
-    figure = charts.cost_over_time(by_tier, tiers.currency, "tier")
+    assert by_tenant["value"].sum() == pytest.approx(total)
+    tokens = usage.over_time(finance.daily, "tier", measure="tokens")
+    t = finance.tenants
+    assert tokens["value"].sum() == t["input_tokens"].sum() + t["output_tokens"].sum()
+    figure = charts.over_time(by_tier, tiers.currency, "tier")
     assert figure.layout.barmode == "stack" and len(figure.data) == 3
 
 
