@@ -369,12 +369,13 @@ class _Context:
         account_id = os.environ.get(ACCOUNT_ID_ENV, "kvlease")
         self.provider = provider = os.environ.get(PROVIDER_ENV, "kvlease")
         base = {
-            **dict.fromkeys(FOCUS_COLUMNS, ""),
+            **dict.fromkeys(NOT_APPLICABLE, ""),  # null: they do not apply
             "BillingAccountId": self.guard(account_id),
             "BillingAccountName": self.guard(os.environ.get(ACCOUNT_NAME_ENV, account_id)),
             "BillingAccountType": "Billing Account",
             "BillingCurrency": self.currency,
             "ChargeCategory": "Usage",
+            "ChargeClass": "",  # null: not a correction
             "ChargeFrequency": "Usage-Based",
             "InvoiceIssuerName": self.guard(provider),
             "PricingCategory": "Standard",
@@ -386,7 +387,9 @@ class _Context:
             "ServiceSubcategory": "Generative AI",
             "SubAccountType": "Tenant",
         }
-        self.base = [base[c] for c in FOCUS_COLUMNS]
+        # None until a group's or a row's cells fill it: a column left unset breaks the
+        # CSV join at once instead of writing an empty cell nobody chose.
+        self.base = [base.get(c) for c in FOCUS_COLUMNS]
 
     def cells(self, group: ChargeGroup) -> Iterator[list[str]]:
         g, guard, model, tier = group.charges, self.guard, group.model, group.tier

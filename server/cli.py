@@ -156,6 +156,12 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stamp(epoch: float) -> str:
+    from exporters.billing import stamp
+
+    return stamp(epoch)
+
+
 def _usage(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -181,7 +187,7 @@ def _usage_export(args: argparse.Namespace) -> int:
     window = parse_window(args.start, args.end)
     ledger = UsageLedger(args.usage_db, create=False)  # a reader never makes a ledger
     if args.format == "raw" and window[0] < (horizon := ledger.horizon()):
-        print(f"kvlease usage: records before {_day(horizon)} were pruned", file=sys.stderr)
+        print(f"kvlease usage: records before {_stamp(horizon)} were pruned", file=sys.stderr)
     chunks = export_chunks(ledger, window, args.format, args.granularity, tiers, args.tenant)
     try:
         out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
@@ -229,7 +235,7 @@ def _usage_prune(args: argparse.Namespace) -> int:
 
     before, _ = parse_window(args.before, "9999-01-01")
     deleted = UsageLedger(args.usage_db, create=False).prune(before)
-    print(f"deleted {deleted} records ended before {_day(before)}; rollups kept")
+    print(f"deleted {deleted} records ended before {_stamp(before)}; rollups kept")
     return 0
 
 
@@ -238,14 +244,8 @@ def _usage_rebuild(args: argparse.Namespace) -> int:
 
     ledger = UsageLedger(args.usage_db, create=False)
     rollups = ledger.rebuild_rollups()
-    print(f"rebuilt {rollups} hourly rollups from the records since {_day(ledger.horizon())}")
+    print(f"rebuilt {rollups} hourly rollups from the records since {_stamp(ledger.horizon())}")
     return 0
-
-
-def _day(epoch: float) -> str:
-    from exporters.billing import stamp
-
-    return stamp(epoch)
 
 
 def _grafana_build(args: argparse.Namespace) -> int:
