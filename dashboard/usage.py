@@ -121,21 +121,26 @@ def finance_frames(
     start: float, end: float, current: Iterable[Rollup], previous: Iterable[Rollup], tiers
 ) -> Finance:
     """Priced as the FOCUS export by day prices its rows (`charge_groups`), so a tenant's
-    cost here is the sum of its rows in that export, to the digit."""
+    cost here is the sum of its rows in that export, to the digit. One pass: each group
+    adds to its day's row and to its tenant's."""
     daily: dict[tuple[float, str, str], dict[str, Any]] = {}
+    tenants: dict[str, dict[str, Any]] = {}
     for group in charge_groups(current, "day", tiers, (start, end)):
         key = (group.start - group.start % DAY, group.tenant_id, group.tier)
         _add(daily.setdefault(key, _zero()), group.charges)
+        tenant = tenants.setdefault(group.tenant_id, _zero() | {"tiers": set()})
+        _add(tenant, group.charges)
+        tenant["tiers"].add(group.tier)
     before: dict[str, Decimal] = {}
     for group in charge_groups(previous, "day", tiers):
         before[group.tenant_id] = before.get(group.tenant_id, Decimal(0)) + group.charges.cost
     rows = [
-        {"day": pd.Timestamp(day, unit="s", tz="UTC"), "tenant_id": tenant, "tier": tier}
-        | _figures(v)
+        {"day": day, "tenant_id": tenant, "tier": tier} | _figures(v)
         for (day, tenant, tier), v in sorted(daily.items())
     ]
     frame = pd.DataFrame(rows, columns=DAILY_COLUMNS)
-    return Finance(start, end, tiers.currency, frame, _by_tenant(frame, before))
+    frame["day"] = pd.to_datetime(frame["day"], unit="s", utc=True)
+    return Finance(start, end, tiers.currency, frame, _by_tenant(tenants, before))
 
 
 def _zero() -> dict[str, Any]:
@@ -160,24 +165,20 @@ def _figures(v: dict[str, Any]) -> dict[str, Any]:
     return {c: v[c] for c in COUNTS} | {"block_hours": hours, "cost": v["cost"]}
 
 
-def _by_tenant(daily: pd.DataFrame, before: dict[str, Decimal]) -> pd.DataFrame:
+def _by_tenant(tenants: dict[str, dict[str, Any]], before: dict[str, Decimal]) -> pd.DataFrame:
     out = []
-    for tenant, rows in daily.groupby("tenant_id", sort=False):
-        cost = sum(rows["cost"], Decimal(0))
-        previous = before.get(str(tenant), Decimal(0))
+    for tenant, v in tenants.items():
+        previous = before.get(tenant, Decimal(0))
         out.append(
-            {"tenant_id": tenant, "tier": ",".join(sorted(set(rows["tier"])))}
-            | {c: int(rows[c].sum()) for c in COUNTS}
-            | {"block_hours": sum(rows["block_hours"], Decimal(0)), "cost": cost}
-            | {"previous_cost": previous, "change": cost - previous}
+            {"tenant_id": tenant, "tier": ",".join(sorted(v["tiers"]))}
+            | _figures(v)
+            | {"previous_cost": previous, "change": v["cost"] - previous}
         )
-    active = set(daily["tenant_id"])
     for tenant, previous in before.items():  # gone quiet this period: a change too
-        if tenant not in active:
+        if tenant not in tenants:
             out.append(
                 {"tenant_id": tenant, "tier": ""}
-                | dict.fromkeys(COUNTS, 0)
-                | {"block_hours": Decimal(0), "cost": Decimal(0)}
+                | _figures(_zero())
                 | {"previous_cost": previous, "change": -previous}
             )
     frame = pd.DataFrame(out, columns=TENANT_COLUMNS)
