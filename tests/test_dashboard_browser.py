@@ -215,8 +215,9 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     _screenshot(page, ARTIFACTS / "dashboard-usage.png", charts=2)
 
     page.get_by_role("tab", name="Over time").click()
-    bars = page.locator(".js-plotly-plot .legendtext", has_text="premium")
-    bars.first.wait_for(timeout=30_000)  # cost per day, stacked by tier
+    # Cost per day, stacked by tier (the Tenants tab's hidden chart has legends too).
+    bars = page.locator(".js-plotly-plot .legendtext:visible", has_text="premium")
+    bars.first.wait_for(timeout=30_000)
     page.get_by_role("tab", name="Statement").click()
     page.get_by_text("Statement total").first.wait_for(timeout=30_000)
     with page.expect_download() as download:
