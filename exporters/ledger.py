@@ -87,10 +87,9 @@ records = Table(
     Column("price_basis", Text),
     Column("lease_covered_tokens", Integer, nullable=False, default=0),
 )
-# Version -> statements (or a statement per dialect name). Append, never edit: a database
-# at version N runs N+1.. only.
-Statement = str | Callable[[str], str]
-MIGRATIONS: dict[int, Sequence[Statement]] = {
+# Version -> statements, or a function of the dialect's name giving them. Append, never
+# edit: a database at version N runs N+1.. only.
+MIGRATIONS: dict[int, Sequence[str] | Callable[[str], Sequence[str]]] = {
     1: (
         "CREATE TABLE IF NOT EXISTS usage_records ("
         " request_id VARCHAR(200) PRIMARY KEY, tenant_id VARCHAR(128) NOT NULL,"
@@ -106,7 +105,10 @@ MIGRATIONS: dict[int, Sequence[Statement]] = {
     2: ("ALTER TABLE usage_records ADD COLUMN partial BOOLEAN NOT NULL DEFAULT FALSE",),
     3: ("ALTER TABLE usage_records ADD COLUMN price_basis TEXT",),
     4: ("ALTER TABLE usage_records ADD COLUMN lease_covered_tokens INTEGER NOT NULL DEFAULT 0",),
-    5: (*rollups.CREATE, lambda dialect: rollups.insert_rollups(dialect, "usage_records")),
+    5: lambda dialect: (
+        *rollups.create(dialect),
+        rollups.insert_rollups(dialect, "usage_records"),  # an older ledger's own sums
+    ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 COLUMNS = tuple(c.name for c in records.columns)
@@ -198,9 +200,11 @@ class UsageLedger:
             conn.execute(text("CREATE TABLE IF NOT EXISTS kvlease_schema (version INTEGER)"))
             found = conn.execute(text("SELECT max(version) FROM kvlease_schema")).scalar() or 0
             for version in sorted(v for v in MIGRATIONS if v > found):
-                for statement in MIGRATIONS[version]:
-                    sql = statement if isinstance(statement, str) else statement(self.dialect)
-                    conn.execute(text(sql))
+                statements = MIGRATIONS[version]
+                if callable(statements):
+                    statements = statements(self.dialect)
+                for statement in statements:
+                    conn.execute(text(statement))
                 conn.execute(
                     text("INSERT INTO kvlease_schema (version) VALUES (:v)"), {"v": version}
                 )

@@ -77,17 +77,26 @@ SUMS = (
     "lease_reused_tokens",
     "kv_block_us",
 )
-KEY = ("tenant_id", "tier", "model", "hour", "price_basis")
-CREATE = (
-    "CREATE TABLE IF NOT EXISTS usage_rollups ("
-    " tenant_id VARCHAR(128) NOT NULL, tier VARCHAR(32) NOT NULL, model VARCHAR(200) NOT NULL,"
-    " hour BIGINT NOT NULL, price_basis TEXT NOT NULL, "
-    + ", ".join(f"{name} BIGINT NOT NULL" for name in SUMS)
-    + ", PRIMARY KEY (tenant_id, tier, model, hour, price_basis))",
-    "CREATE INDEX IF NOT EXISTS usage_rollups_hour ON usage_rollups (hour)",
-    # The prune horizon: records ended before it are gone, their rollups kept.
-    "CREATE TABLE IF NOT EXISTS usage_retention (pruned_before BIGINT NOT NULL)",
-)
+KEY = ("hour", "tenant_id", "tier", "model", "price_basis")
+
+
+def create(dialect: str) -> tuple[str, ...]:
+    """The rollups' tables. The key starts with the hour, so a window is one range of the
+    key; on SQLite the table is clustered by it (WITHOUT ROWID): a month's rollups are
+    read in one sequential pass, half the time of an index plus row lookups. Queries
+    for given tenants (statements, budgets) use the (tenant, hour) index."""
+    clustered = " WITHOUT ROWID" if dialect == "sqlite" else ""
+    return (
+        "CREATE TABLE IF NOT EXISTS usage_rollups ("
+        " hour BIGINT NOT NULL, tenant_id VARCHAR(128) NOT NULL, tier VARCHAR(32) NOT NULL,"
+        " model VARCHAR(200) NOT NULL, price_basis TEXT NOT NULL, "
+        + ", ".join(f"{name} BIGINT NOT NULL" for name in SUMS)
+        + f", PRIMARY KEY ({', '.join(KEY)})){clustered}",
+        "CREATE INDEX IF NOT EXISTS usage_rollups_tenant ON usage_rollups (tenant_id, hour)",
+        # The prune horizon: records ended before it are gone, their rollups kept.
+        "CREATE TABLE IF NOT EXISTS usage_retention (pruned_before BIGINT NOT NULL)",
+    )
+
 
 # Per dialect: (hour of ended_at, block microseconds, the smaller of two integers).
 _EXPRESSIONS = {
@@ -121,9 +130,9 @@ def insert_rollups(dialect: str, source: str, where: str = "true") -> str:
     )
     return (
         f"INSERT INTO usage_rollups ({', '.join(KEY + SUMS)}) "
-        f"SELECT tenant_id, coalesce(tier, ''), model, {hour} AS bucket, "
+        f"SELECT {hour} AS bucket, tenant_id, coalesce(tier, ''), model, "
         f"coalesce(price_basis, ''), {', '.join(sums)} FROM {source} AS r WHERE {where} "
-        "GROUP BY tenant_id, coalesce(tier, ''), model, bucket, coalesce(price_basis, '') "
+        "GROUP BY bucket, tenant_id, coalesce(tier, ''), model, coalesce(price_basis, '') "
         "ORDER BY 1, 2, 3, 4, 5 "  # one lock order for concurrent writers (PostgreSQL)
         f"ON CONFLICT ({', '.join(KEY)}) DO UPDATE SET "
         + ", ".join(f"{name} = usage_rollups.{name} + excluded.{name}" for name in SUMS)
