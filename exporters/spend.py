@@ -3,7 +3,7 @@
 Invariant: `verdict()` never touches the database. It reads the last refresh, a dict
 replaced whole, so a request pays one lookup. A thread refreshes every
 `refresh_seconds` of the budget file: one rollups query restricted to the budgeted
-tenants (the rollups' primary key starts with the tenant, so it reads only their rows),
+tenants (through the rollups' (tenant, hour) index, so it reads only their rows),
 priced with the export's own `billing.cost`. With a shared PostgreSQL ledger the spend
 is the fleet's. The budget file is re-read when it changes; a file that no longer loads
 keeps the last good table, with an error in the log.
@@ -92,7 +92,7 @@ class SpendTracker:
             self._thread.join(5)
 
 
-def _mtime(path: str) -> float | None:
+def _mtime(path: str) -> int | None:
     try:
         return os.stat(path).st_mtime_ns
     except OSError:

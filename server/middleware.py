@@ -29,7 +29,6 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from engine.auth import (
@@ -43,6 +42,7 @@ from engine.auth import (
 from engine.budgets import Verdict
 from engine.labels import hash_key_from_env
 from engine.tenancy import TenantContext, TierTable
+from exporters.billing import period
 from exporters.join import InFlight, new_request_id
 from exporters.telemetry import TELEMETRY
 from exporters.writer import wait_seconds
@@ -483,10 +483,8 @@ def _budget_headers(verdict: Verdict | None) -> list[tuple[bytes, bytes]]:
 
 
 def _seconds_to_next_month() -> int:
-    now = datetime.now(UTC)
-    first = (now.replace(day=1) + timedelta(days=32)).replace(day=1)
-    start = first.replace(hour=0, minute=0, second=0, microsecond=0)
-    return max(1, int((start - now).total_seconds()))
+    now = time.time()
+    return max(1, int(period(now, "month")[1] - now))
 
 
 async def _until_committed(record: asyncio.Future, request_id: str) -> None:
