@@ -3,9 +3,10 @@
 One FOCUS row per (tenant, model, charge period). Costs are exact decimals:
     (input - cached input)/1000 x input price + cached input/1000 x cached price
     + output/1000 x output price + KV block-hours x block-hour price,
-priced per record by that record's tier, and summed from the ledger's rollups
-(`exporters.rollups`): pricing is linear, so a rollup's cost is the sum of its
-records' costs, to the digit. KV block-seconds are billed in whole microseconds.
+priced by the tier each record was served in, and summed from the ledger's rollups
+(`exporters.rollups`). Only integers are summed (tokens, KV block-microseconds) and
+each row divides once, so an export is the same byte for byte whether it was summed
+from rollups or from every record.
 Recomputed tokens (work a preemption
 threw away) are reported in `x_RecomputedTokens` and never billed; what leasing
 bought is in `x_LeaseCoveredTokens` (prefix tokens a running lease was keeping at
