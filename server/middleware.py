@@ -28,16 +28,18 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.auth import (
+    ID_RULE,
     KEYS_ENV,
     Authenticator,
     AuthError,
     AuthSettings,
     KeyConfigError,
     KeyRing,
+    valid_id,
 )
 from engine.budgets import Verdict
 from engine.labels import hash_key_from_env
@@ -94,6 +96,7 @@ GENERATION_PATHS = frozenset(
     }
 )
 DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority"})
+SESSION_HEADER = b"x-session-id"
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
 
 
@@ -282,6 +285,9 @@ class TenantMiddleware:
         if self._someone_elses_response(scope["path"], ctx):
             await send_error(send, 404, "no such response", "not_found")
             return
+        ctx = await self._session(scope, send, ctx)
+        if ctx is None:
+            return  # already answered with an error
         budget = TELEMETRY.budgets.verdict(ctx.tenant_id) if TELEMETRY.budgets else None
         if budget is not None and budget.blocked:
             await send_error(
@@ -312,6 +318,23 @@ class TenantMiddleware:
             self.in_flight[ctx.tenant_id] -= 1
             if not self.in_flight[ctx.tenant_id]:
                 del self.in_flight[ctx.tenant_id]
+
+    async def _session(
+        self, scope: Scope, send: Send, ctx: TenantContext
+    ) -> TenantContext | None:
+        """The chat session the `X-Session-Id` header names, when the token names none (the
+        claim wins): a chatbot backend keeps one token per tenant and names each
+        conversation. Sessions live inside the verified tenant: leases, routing and the
+        ledger key them by (tenant, session), so tenant A's "s1" is never tenant B's."""
+        header = _header(scope, SESSION_HEADER)
+        if header is None or ctx.session_id is not None:
+            return ctx
+        if not valid_id(header):
+            await send_error(send, 400, f"X-Session-Id must be {ID_RULE}", "invalid_session_id")
+            return None
+        ctx = replace(ctx, session_id=header)
+        scope["state"][STATE_KEY] = ctx
+        return ctx
 
     async def _admitted(
         self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext, headers=()

@@ -361,3 +361,37 @@ def test_a_stored_response_answers_only_its_tenant(app, hs_ring, tiers):
         assert json.loads(theirs[2])["error"]["code"] == "not_found"
     render = call(app, "/v1/responses/render", body=body, headers=[bearer(hs_ring, tiers), JSON])
     assert render[0] == 200  # a route, not a response id
+
+
+def _xargs(app, hs_ring, tiers, tenant="acme", session_header=None, **claims):
+    headers = [bearer(hs_ring, tiers, tenant, "premium", **claims), JSON]
+    if session_header is not None:
+        headers.append(("X-Session-Id", session_header))
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    status, _, out = call(app, "/v1/completions", body=body, headers=headers)
+    if status != 200:
+        return status, json.loads(out)
+    return status, json.loads(app.app.calls[-1][1])["vllm_xargs"]
+
+
+def test_a_session_header_names_the_chat_inside_the_verified_tenant(app, hs_ring, tiers):
+    assert _xargs(app, hs_ring, tiers, session_header="s1")[1] == {
+        "tenant_id": "acme",
+        "tier": "premium",
+        "session_id": "s1",
+    }
+    _, other = _xargs(app, hs_ring, tiers, tenant="bob", session_header="s1")
+    assert (other["tenant_id"], other["session_id"]) == ("bob", "s1")  # (tenant, session)
+    assert "session_id" not in _xargs(app, hs_ring, tiers)[1]
+
+
+def test_the_token_session_claim_wins_over_the_header(app, hs_ring, tiers):
+    _, xargs = _xargs(app, hs_ring, tiers, session_header="header", session_id="claim")
+    assert xargs["session_id"] == "claim"
+
+
+@pytest.mark.parametrize("value", ["", "x" * 129, "a b", "s1\u00e9", "../etc"])
+def test_a_bad_session_header_is_a_400_in_openai_shape(app, hs_ring, tiers, value):
+    status, doc = _xargs(app, hs_ring, tiers, session_header=value)
+    assert status == 400 and doc["error"]["code"] == "invalid_session_id"
+    assert "1-128 characters" in doc["error"]["message"]

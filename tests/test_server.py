@@ -122,6 +122,24 @@ def test_a_warned_tenant_past_its_budget_is_served_with_a_header(server):
     assert "x-kvlease-budget-used" not in unbudgeted.headers
 
 
+def test_a_session_header_reaches_the_ledger_through_the_openai_client(server, usage_db):
+    from exporters.ledger import UsageLedger
+
+    c = openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key=server.token("sessioned", "premium"),
+        default_headers={"X-Session-Id": "conv-7"},  # one token per tenant, a header per chat
+        max_retries=0,
+    )
+    c.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    c.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=2, extra_headers={"X-Session-Id": "conv-8"}
+    )
+    ledger = UsageLedger(usage_db, create=False)
+    sessions = sorted(r.session_id for r in ledger.read(0, 4e9, ["sessioned"]))
+    assert sessions == ["conv-7", "conv-8"]  # committed before each response's last byte
+
+
 def _b64(data: dict) -> str:
     return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
 
