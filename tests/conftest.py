@@ -5,6 +5,7 @@ Keys are generated per test session; no key material is stored in the repo.
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 
@@ -15,6 +16,18 @@ from records import NOV, rec
 from engine.auth import Authenticator, KeyRing
 from engine.tenancy import TierTable
 from exporters.ledger import UsageLedger
+
+# `make test-vllm-next` runs the scheduler's own tests against vLLM 0.33.0's code (the GPU
+# release), installed beside the CPU torch: vLLM must then be told it runs on the CPU
+# before a scheduler is built.
+if os.environ.get("KVLEASE_VLLM_NEXT"):
+    import vllm
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    if vllm.__version__ != os.environ["KVLEASE_VLLM_NEXT"]:
+        raise RuntimeError(f"expected vLLM {os.environ['KVLEASE_VLLM_NEXT']} on PYTHONPATH")
+    vllm.platforms._current_platform = CpuPlatform()
 
 # Property tests check behaviour, never speed: no per-example deadline and no
 # "input generation is slow" failure when the machine is busy (as CI's two cores are).

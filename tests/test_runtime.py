@@ -9,14 +9,14 @@ from engine.runtime import (
 )
 
 
-@pytest.mark.parametrize("found", ["0.32.0", "0.32.0+cpu"])
-def test_pinned_vllm_release_is_accepted(found):
+@pytest.mark.parametrize("found", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cu129"])
+def test_the_tested_vllm_releases_are_accepted(found):
     check_vllm_version(found)
 
 
-@pytest.mark.parametrize("found", ["0.31.2", "0.32.1", "0.33.0rc1", "unknown"])
+@pytest.mark.parametrize("found", ["0.31.2", "0.32.1", "0.33.0rc1", "0.34.0", "unknown"])
 def test_other_vllm_release_is_a_clear_error(found):
-    with pytest.raises(VllmVersionError, match=f"needs vLLM 0.32.0 but found {found}"):
+    with pytest.raises(VllmVersionError, match=f"needs vLLM 0.32.0 or 0.33.0 but found {found}"):
         check_vllm_version(found)
 
 
@@ -49,3 +49,11 @@ def test_pins_that_differ_from_the_installed_packages_are_listed():
 
 def test_the_installed_runtime_dependencies_match_the_pins():
     check_dependencies()  # raises DependencyError with the list otherwise
+
+
+def test_the_launcher_finds_vllms_serve_arguments_in_this_release():
+    """Run by `make test-vllm-next` too: the import moved in vLLM 0.33."""
+    from server.serve import vllm_cli_args
+
+    make_arg_parser, validate = vllm_cli_args()
+    assert make_arg_parser.__name__ == "make_arg_parser" and callable(validate)
