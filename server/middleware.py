@@ -319,9 +319,7 @@ class TenantMiddleware:
             if not self.in_flight[ctx.tenant_id]:
                 del self.in_flight[ctx.tenant_id]
 
-    async def _session(
-        self, scope: Scope, send: Send, ctx: TenantContext
-    ) -> TenantContext | None:
+    async def _session(self, scope: Scope, send: Send, ctx: TenantContext) -> TenantContext | None:
         """The chat session the `X-Session-Id` header names, when the token names none (the
         claim wins): a chatbot backend keeps one token per tenant and names each
         conversation. Sessions live inside the verified tenant: leases, routing and the
