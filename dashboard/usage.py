@@ -127,9 +127,10 @@ def finance_frames(
     tenants: dict[str, dict[str, Any]] = {}
     for group in charge_groups(current, "day", tiers, (start, end)):
         key = (group.start - group.start % DAY, group.tenant_id, group.tier)
-        _add(daily.setdefault(key, _zero()), group.charges)
+        cost = group.charges.cost
+        _add(daily.setdefault(key, _zero()), group.charges, cost)
         tenant = tenants.setdefault(group.tenant_id, _zero() | {"tiers": set()})
-        _add(tenant, group.charges)
+        _add(tenant, group.charges, cost)
         tenant["tiers"].add(group.tier)
     before: dict[str, Decimal] = {}
     for group in charge_groups(previous, "day", tiers):
@@ -147,7 +148,7 @@ def _zero() -> dict[str, Any]:
     return dict.fromkeys(COUNTS, 0) | {"block_us": 0, "cost": Decimal(0)}
 
 
-def _add(row: dict[str, Any], c: Charges) -> None:
+def _add(row: dict[str, Any], c: Charges, cost: Decimal) -> None:
     row["requests"] += c.requests
     row["input_tokens"] += c.input
     row["cached_input_tokens"] += c.cached
@@ -157,7 +158,7 @@ def _add(row: dict[str, Any], c: Charges) -> None:
     row["lease_reused_tokens"] += c.lease_reused
     row["preemptions"] += c.preemptions
     row["block_us"] += c.block_us
-    row["cost"] += c.cost
+    row["cost"] += cost
 
 
 def _figures(v: dict[str, Any]) -> dict[str, Any]:
@@ -244,7 +245,9 @@ def statement_lines(tenant: str, start, end, usage: Iterable[Rollup], tiers) -> 
     """Priced as the FOCUS export by month prices its rows: the total is their sum."""
     lines: dict[tuple[str, str], dict[str, Any]] = {}
     for group in charge_groups(usage, "month", tiers, (start, end)):
-        _add(lines.setdefault((group.model, group.tier), _zero()), group.charges)
+        _add(
+            lines.setdefault((group.model, group.tier), _zero()), group.charges, group.charges.cost
+        )
     rows = [
         {"model": model, "tier": tier} | _figures(v) for (model, tier), v in sorted(lines.items())
     ]
