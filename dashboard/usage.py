@@ -128,8 +128,11 @@ def finance_frames(
     for group in charge_groups(current, "day", tiers, (start, end)):
         key = (group.start - group.start % DAY, group.tenant_id, group.tier)
         cost = group.charges.cost
-        _add(daily.setdefault(key, _zero()), group.charges, cost)
-        tenant = tenants.setdefault(group.tenant_id, _zero() | {"tiers": set()})
+        if (day := daily.get(key)) is None:
+            day = daily[key] = _zero()
+        _add(day, group.charges, cost)
+        if (tenant := tenants.get(group.tenant_id)) is None:
+            tenant = tenants[group.tenant_id] = _zero() | {"tiers": set()}
         _add(tenant, group.charges, cost)
         tenant["tiers"].add(group.tier)
     before: dict[str, Decimal] = {}

@@ -25,6 +25,7 @@ import hashlib
 import io
 import itertools
 import json
+import math
 import operator
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -118,14 +119,13 @@ def stamp(epoch: float) -> str:
 
 
 def period(epoch: float, granularity: str) -> tuple[float, float]:
-    """[start, end) of the hour, day or month containing `epoch`, as epoch seconds."""
+    """[start, end) of the hour, day or month containing `epoch`, as epoch seconds (UTC
+    hours and days are whole multiples of seconds since the epoch: no calendar needed)."""
+    if granularity in ("hour", "day"):
+        length = HOUR if granularity == "hour" else DAY
+        start = math.floor(epoch / length) * length
+        return float(start), float(start + length)
     t = datetime.fromtimestamp(epoch, UTC)
-    if granularity == "hour":
-        start = t.replace(minute=0, second=0, microsecond=0)
-        return start.timestamp(), start.timestamp() + 3600
-    if granularity == "day":
-        start = t.replace(hour=0, minute=0, second=0, microsecond=0)
-        return start.timestamp(), start.timestamp() + 86400
     if granularity == "month":
         start = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
         days = calendar.monthrange(t.year, t.month)[1]
