@@ -72,6 +72,9 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
     """A 64-block server, tracing on, after rounds of 12 concurrent long requests (two, or
     more until one was preempted)."""
     assert 3 * -(-(96 + REPLY_TOKENS) // 32) > 63
+    folder = tmp_path_factory.mktemp("telemetry")
+    budgets = folder / "budgets.toml"  # a budget far above any spend: its gauge is scraped
+    budgets.write_text('[tenants.premium-0]\nmonthly = "1000000"\n')
     srv = start(
         [
             sys.executable,
@@ -83,9 +86,11 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
             "--otel",
             "--usage-db",
             usage_db,
+            "--budgets",
+            str(budgets),
         ],
         kvlease_home,
-        tmp_path_factory.mktemp("telemetry") / "server.log",
+        folder / "server.log",
         {
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.url,
             "OTEL_BSP_SCHEDULE_DELAY": "200",
