@@ -17,6 +17,7 @@ from pathlib import Path
 
 
 def free_port() -> int:
+    """A loopback port free now (the tests' and benches' servers start on one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import secrets
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import openai
 import psutil
 
 from bench import report
+from bench.postgres import free_port
 from demo.client import LoadStats, ask, prompt
 from demo.run import (
     MODEL,
@@ -50,12 +50,6 @@ POOL_BLOCKS = 512  # 16k tokens: enough that 64 short chats mostly fit, as a siz
 SAMPLE_SECONDS = 10
 WARMUP_SECONDS = 60
 RESULTS = Path(__file__).parent / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> dict[str, float]:

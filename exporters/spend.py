@@ -39,7 +39,6 @@ class SpendTracker:
         self.table = BudgetTable.load(path)  # a bad file at start is the caller's error
         self._mtime = _mtime(path)
         self._verdicts: dict[str, Verdict] = {}
-        self.refreshed_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -60,7 +59,6 @@ class SpendTracker:
             for rollup in self.ledger.rollups(start, end, list(budgets), DAY):
                 spent[rollup.tenant_id] += cost(rollup, self.tiers)
         self._verdicts = {t: Verdict(budgets[t], s) for t, s in spent.items()}
-        self.refreshed_at = self.clock()
 
     def _reload(self) -> None:
         mtime = _mtime(self.path)

@@ -6,7 +6,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.postgres import free_port
 from demo.prometheus import config_text
 from engine.auth import KeyRing, mint_token
 from engine.tenancy import TierTable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
