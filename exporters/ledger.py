@@ -111,6 +111,7 @@ MIGRATIONS: dict[int, Sequence[str] | Callable[[str], Sequence[str]]] = {
     ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
+MIGRATION_LOCK = 0x6B766C65617365  # "kvlease": the advisory lock key migrations take
 COLUMNS = tuple(c.name for c in records.columns)
 assert list(COLUMNS) == [f.name for f in fields(UsageRecord)]
 _row = attrgetter(*COLUMNS)  # a record as the tuple a driver binds, without asdict's copies
@@ -195,8 +196,15 @@ class UsageLedger:
                 raise LedgerError(f"{redact(given)!r} holds no kvlease usage ledger")
 
     def migrate(self) -> int:
-        """Bring the schema to SCHEMA_VERSION; returns the version it found."""
+        """Bring the schema to SCHEMA_VERSION; returns the version it found.
+
+        Replicas of a fleet may start together on one fresh PostgreSQL ledger: the first
+        to take a transaction-scoped advisory lock migrates, the others wait for it and
+        find nothing left to do (two concurrent CREATE TABLEs would fail one of them).
+        SQLite serialises writers by itself."""
         with self.engine.begin() as conn:
+            if self.dialect == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
             conn.execute(text("CREATE TABLE IF NOT EXISTS kvlease_schema (version INTEGER)"))
             found = conn.execute(text("SELECT max(version) FROM kvlease_schema")).scalar() or 0
             for version in sorted(v for v in MIGRATIONS if v > found):

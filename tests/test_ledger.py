@@ -41,6 +41,23 @@ def test_schema_is_versioned_and_migration_is_idempotent(ledger):
     assert versions == sorted(set(versions)) == list(range(1, SCHEMA_VERSION + 1))
 
 
+def test_replicas_starting_together_on_a_fresh_database_migrate_it_once(postgres_url):
+    """A fleet's replicas open one new PostgreSQL ledger at the same moment."""
+    import concurrent.futures
+
+    import psycopg
+
+    with psycopg.connect(postgres_url.replace("/kvlease", "/postgres"), autocommit=True) as c:
+        c.execute("CREATE DATABASE together")
+    url = postgres_url.replace("/kvlease", "/together")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        found = list(pool.map(lambda _: UsageLedger(url).migrate(), range(6)))
+    assert found == [SCHEMA_VERSION] * 6  # each found it migrated after opening it
+    with UsageLedger(url).engine.connect() as conn:
+        versions = conn.exec_driver_sql("SELECT version FROM kvlease_schema").scalars().all()
+    assert sorted(versions) == list(range(1, SCHEMA_VERSION + 1))  # each version once
+
+
 def test_a_version_1_ledger_is_migrated_and_keeps_its_records(tmp_path):
     """Records written before the `partial` column read back as complete."""
     import sqlite3
