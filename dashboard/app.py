@@ -111,6 +111,20 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
             "evictions_5m": "evicted blocks (5 min)",
         },
     )
+    if len(live.engines) > 1:
+        st.markdown(
+            f"**Engines** ({len(live.engines)}: data-parallel ranks, of every replica; "
+            "the figures above are their sum)"
+        )
+        st.dataframe(
+            live.engines,
+            hide_index=True,
+            column_config={
+                "pool_blocks": "pool blocks",
+                "free_blocks": "free blocks",
+                "held": st.column_config.NumberColumn("held", help="running + leased cached"),
+            },
+        )
     keep = data.top_tenant_ids(live.occupancy, top)
     st.plotly_chart(charts.occupancy_area(data.top_occupancy(live.occupancy, keep)), key="blocks")
     st.plotly_chart(charts.events_timeline(live.events), key="events")

@@ -19,7 +19,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -53,6 +53,8 @@ TENANT_COLUMNS = [
 EVENT_COLUMNS = ["t", "kind", "tier", "reason", "n"]
 LEASE_COLUMNS = ["t", "tier", "reused", "lost"]  # prefix tokens of leased next turns, per interval
 FAIR_COLUMNS = ["t", "tenant_id", "tier", "served", "entitled"]  # weighted tokens, per interval
+# One row per engine (data-parallel rank; "instance/rank" across replicas), now.
+ENGINE_COLUMNS = ["engine", "pool_blocks", "free_blocks", "held", "running", "waiting"]
 POOL_STATES = (*STATES, "empty")  # the pool bar, bottom up
 
 
@@ -106,6 +108,7 @@ class Live:
     events: pd.DataFrame
     lease_reuse: pd.DataFrame
     fair_share: pd.DataFrame
+    engines: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=ENGINE_COLUMNS))
 
     @property
     def pool_states(self) -> dict[str, int]:
@@ -223,6 +226,17 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
                 evicted.get(tenant, 0),
             )
         )
+    engines = [
+        (
+            rank,
+            e["pool_blocks"],
+            e["free_blocks"],
+            sum(h["running"] + h["cached_leased"] for h in e["tenants"].values()),
+            e["running"],
+            e["waiting"],
+        )
+        for rank, e in sorted(state.get("engines", {}).items(), key=lambda kv: int(kv[0]))
+    ]
     return Live(
         pool_blocks=state["pool_blocks"],
         free_blocks=state["free_blocks"],
@@ -233,6 +247,7 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         events=_frame(events, EVENT_COLUMNS),
         lease_reuse=_frame(reuse, LEASE_COLUMNS),
         fair_share=_frame(fair, FAIR_COLUMNS),
+        engines=pd.DataFrame(engines, columns=ENGINE_COLUMNS),
     )
 
 
@@ -276,6 +291,12 @@ QUERIES = {
     "lease_left": f"max by (tenant_id) ({m.LEASE_SECONDS_LEFT.name})",
     "preemptions_5m": f"sum by (tenant_id) (increase({m.PREEMPTIONS.name}[5m]))",
     "evictions_5m": f"sum by (tenant_id) (increase({m.CACHED_EVICTIONS.name}[5m]))",
+    # per engine: each replica's data-parallel ranks
+    "engine_pool": f"sum by (instance, engine) ({m.POOL_BLOCKS.name})",
+    "engine_free": f"sum by (instance, engine) ({m.FREE_BLOCKS.name})",
+    "engine_held": f'sum by (instance, engine) ({m.KV_BLOCKS.name}{{state!="cached"}})',
+    "engine_running": f"sum by (instance, engine) ({m.RUNNING.name})",
+    "engine_waiting": f"sum by (instance, engine) ({m.WAITING.name})",
 }
 # {step} is filled in per query: the increase over one step of the range.
 RANGE_QUERIES = {
@@ -391,6 +412,16 @@ def live_from_prometheus(
     fair_rows = [(*k, served, ent) for k, (served, ent) in sorted(fair.items()) if ent > 0]
     pool, free = scalar("pool"), scalar("free")
     running, waiting = scalar("running"), scalar("waiting")
+    per_engine: dict[str, dict[str, float]] = {}
+    for column in ENGINE_COLUMNS[1:]:
+        name = "engine_" + column.removesuffix("_blocks")
+        for r in instant.get(name, []):
+            key = f"{r['metric'].get('instance', '')}/{r['metric'].get('engine', '0')}"
+            per_engine.setdefault(key, {})[column] = float(r["value"][1])
+    engines = [
+        (key, *(int(v.get(c, 0)) for c in ENGINE_COLUMNS[1:]))
+        for key, v in sorted(per_engine.items())
+    ]
     return Live(
         pool_blocks=int(pool or 0),
         free_blocks=int(free or 0),
@@ -401,6 +432,7 @@ def live_from_prometheus(
         events=_frame(events, EVENT_COLUMNS),
         lease_reuse=_frame(lease_rows, LEASE_COLUMNS),
         fair_share=_frame(fair_rows, FAIR_COLUMNS),
+        engines=pd.DataFrame(engines, columns=ENGINE_COLUMNS),
     )
 
 

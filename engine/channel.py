@@ -4,16 +4,19 @@ kvlease's scheduler runs in the EngineCore process; `/admin/state`, metrics,
 spans and the ledger live in the API process. The channel is a ZeroMQ
 PUSH/PULL pair over an ipc socket (pyzmq is already a vLLM dependency):
 
-- The API process binds a PULL socket at `$KVLEASE_CHANNEL`; `kvlease serve`
-  chooses a fresh address per run and exports it before the engine starts,
-  so the EngineCore process inherits it.
-- The scheduler connects a PUSH socket and sends one `engine.events.Message`
-  (msgspec JSON) per engine step that has something to say: its events, and
-  every `sample_seconds` an `EngineState` snapshot with cumulative totals.
-  Sends never block the engine loop: when the socket's queue is full the
-  message stays in the scheduler and goes with the next step, and only the
-  scheduler's bounded event buffer can overflow (counted, and visible in
-  every snapshot).
+- Each API process binds a PULL socket at `address_for($KVLEASE_CHANNEL, i)`, i its
+  index among vLLM's API processes (`--api-server-count`; 0 when there is one).
+  `kvlease serve` chooses a fresh base address per run and exports it before the
+  engine starts, so every EngineCore and API process inherits it.
+- Each scheduler (one per data-parallel rank) connects one PUSH socket to every API
+  process and sends each `engine.events.Message` (msgspec JSON, tagged with its rank)
+  to all of them: its events, and every `sample_seconds` an `EngineState` snapshot
+  with cumulative totals. So every API process holds the picture of every rank; the
+  events of a request also name the API process that owns it (`api_server`), and only
+  that one joins them into the request's usage record.
+- Sends never block the engine loop: what a full socket refuses waits in a bounded
+  per-socket backlog and goes with the next step; only that backlog can overflow
+  (its events counted as dropped, visible in every snapshot).
 
 Why not the alternatives: prometheus_client's multiprocess mode carries
 numbers but not events, and vLLM's `SchedulerStats` has no field for
@@ -28,6 +31,7 @@ import os
 import tempfile
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 import zmq
@@ -45,29 +49,60 @@ def new_address() -> str:
     return f"ipc://{tempfile.gettempdir()}/kvlease-{uuid.uuid4().hex[:12]}.ipc"
 
 
+def address_for(base: str, api_server: int) -> str:
+    """The address API process `api_server` binds, for the run's base address."""
+    return base if api_server == 0 else f"{base}-{api_server}"
+
+
 class Publisher:
-    """The EngineCore end. `send` returns False instead of blocking when full."""
+    """The EngineCore end: one PUSH socket per API process, each message sent to all.
 
-    def __init__(self, address: str) -> None:
-        self._socket = zmq.Context.instance().socket(zmq.PUSH)
-        self._socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
-        self._socket.setsockopt(zmq.LINGER, 2000)  # flush on close, bounded
-        self._socket.connect(address)
+    Invariant: each socket's backlog holds at most `capacity` events (messages that
+    socket refused, oldest first). `publish` encodes a message once and costs one
+    non-blocking send per API process.
+    """
 
-    def send(self, message: Message) -> bool:
-        try:
-            self._socket.send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
+    def __init__(self, addresses: list[str], capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._sockets = []
+        for address in addresses:
+            socket = zmq.Context.instance().socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+            socket.setsockopt(zmq.LINGER, 2000)  # flush on close, bounded
+            socket.connect(address)
+            self._sockets.append(socket)
+        self._backlogs: list[deque[tuple[bytes, int]]] = [deque() for _ in addresses]
+
+    def publish(self, message: Message) -> int:
+        """Send to every API process; returns how many of its events some API process
+        will never get (its backlog was full)."""
+        raw, n = encode(message), len(message.events)
+        dropped = 0
+        for socket, backlog in zip(self._sockets, self._backlogs, strict=True):
+            backlog.append((raw, n))
+            while backlog:
+                try:
+                    socket.send(backlog[0][0], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                backlog.popleft()
+            lost, held = 0, sum(events for _, events in backlog)
+            while held > self.capacity:  # that API process is not reading: bound the backlog
+                held -= backlog[0][1]
+                lost += backlog.popleft()[1]
+            dropped = max(dropped, lost)
+        return dropped
 
     def close(self) -> None:
-        self._socket.close()
+        for socket in self._sockets:
+            socket.close()
 
     @classmethod
-    def from_env(cls) -> Publisher | None:
-        address = os.environ.get(ADDRESS_ENV)
-        return cls(address) if address else None
+    def from_env(cls, api_servers: int = 1, capacity: int = 65536) -> Publisher | None:
+        base = os.environ.get(ADDRESS_ENV)
+        if not base:
+            return None
+        return cls([address_for(base, i) for i in range(api_servers)], capacity)
 
 
 class Receiver:

@@ -29,6 +29,7 @@ class Preemption(msgspec.Struct, frozen=True, tag=True):
     mode: str  # "recompute" or "offload"
     blocks: int  # KV blocks the request held
     recomputed_tokens: int  # computed tokens thrown away (to be computed again)
+    api_server: int = 0  # the API process that owns the request (vLLM's client index)
 
 
 class Eviction(msgspec.Struct, frozen=True, tag=True):
@@ -49,6 +50,7 @@ class LeaseEvent(msgspec.Struct, frozen=True, tag=True):
     kind: str  # "start", "renew" or "expire"
     expires_at: float | None  # clock value; None while a request is in flight
     request_id: str | None = None  # the request whose arrival or finish changed it
+    api_server: int = 0  # the API process that owns that request
 
 
 class RequestDone(msgspec.Struct, frozen=True, tag=True):
@@ -66,6 +68,7 @@ class RequestDone(msgspec.Struct, frozen=True, tag=True):
     prompt_tokens: int = 0
     output_tokens: int = 0
     lease_covered_tokens: int = 0  # prefix tokens its session's running lease was to keep
+    api_server: int = 0  # the API process that owns the request (vLLM's client index)
 
 
 Event = Preemption | Eviction | LeaseEvent | RequestDone
@@ -144,10 +147,12 @@ class EngineState(msgspec.Struct):
 
 
 class Message(msgspec.Struct):
-    """One channel message: a step's events, and every `sample_seconds` a snapshot."""
+    """One channel message from one engine: a step's events, and every `sample_seconds`
+    a snapshot. `engine` is the data-parallel rank of the scheduler that sent it."""
 
     events: list[Event] = []
     state: EngineState | None = None
+    engine: int = 0
 
 
 _encoder = msgspec.json.Encoder()

@@ -264,11 +264,17 @@ class TenantSchedulingMixin:
         self._awaiting_hit: dict[str, Tenancy] = {}  # leased next turns not yet scheduled
         self.deferred_frees = _DeferredFrees(self._deferred_popped)
         self._cost = _cost_model(self.vllm_config, self.settings)
-        self._publisher = Publisher.from_env()
-        self._unsent: list[Message] = []
+        parallel = self.vllm_config.parallel_config
+        # This engine's data-parallel rank: vLLM resets data_parallel_rank to 0 on each
+        # independent (non-MoE) rank and keeps the rank in data_parallel_index.
+        self._rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        # vLLM's count of API processes (`--api-server-count`): each gets every message.
+        api_servers = getattr(parallel, "_api_process_count", 1)
+        self._publisher = Publisher.from_env(api_servers, self.settings.event_capacity)
         self._offload_available = self.vllm_config.kv_transfer_config is not None
         logger.info(
-            "kvlease scheduler: tiers %s, victim rule %s, pool %d blocks, leased caps %s",
+            "kvlease scheduler (rank %d): tiers %s, victim rule %s, pool %d blocks, leased caps %s",
+            self._rank,
             list(tiers),
             self.settings.victim_rule.value,
             usable,
@@ -451,7 +457,7 @@ class TenantSchedulingMixin:
                 if tenancy.lease_covered:
                     self._awaiting_hit[request.request_id] = tenancy
             holder.protected = True
-            self._lease_event(holder, change.kind, change.expires_at, change.at, request.request_id)
+            self._lease_event(holder, change.kind, change.expires_at, change.at, request)
         return tenancy
 
     def _lease_covered(self, holder: Holder, request: Request) -> int:
@@ -536,23 +542,16 @@ class TenantSchedulingMixin:
         return finished
 
     def _publish(self, with_state: bool, fresh: bool = False) -> None:
-        """Send this step's events (and a snapshot when due) to the API process.
+        """Send this step's events (and a snapshot when due) to the API processes.
 
         `fresh` samples the accounting for the snapshot; update_from_output has
         just sampled, an abort between steps has not.
         """
         events = self.events.drain()
-        if not (events or with_state or self._unsent):
+        if not (events or with_state):
             return
-        message = Message(events, self.state(sample=fresh) if with_state else None)
-        pending = [*self._unsent, message]
-        while pending and self._publisher.send(pending[0]):
-            pending.pop(0)
-        overflow = sum(len(m.events) for m in pending) - self.settings.event_capacity
-        while overflow > 0 and pending:  # the API process is not reading: bound the backlog
-            self.events.dropped += len(pending[0].events)
-            overflow -= len(pending.pop(0).events)
-        self._unsent = pending
+        message = Message(events, self.state(sample=fresh) if with_state else None, self._rank)
+        self.events.dropped += self._publisher.publish(message)
 
     # -- allocation: lease reservations and the victim -------------------------
 
@@ -751,6 +750,7 @@ class TenantSchedulingMixin:
                 decision.mode,
                 blocks,
                 tokens,
+                request.client_index,
             )
         )
 
@@ -814,9 +814,7 @@ class TenantSchedulingMixin:
             holder.in_flight -= 1
             change = self.leases.request_finished(t.session)
             if change is not None:
-                self._lease_event(
-                    holder, change.kind, change.expires_at, change.at, request.request_id
-                )
+                self._lease_event(holder, change.kind, change.expires_at, change.at, request)
             self._forget_if_idle(t.session, holder)
         self.events.push(
             RequestDone(
@@ -832,6 +830,7 @@ class TenantSchedulingMixin:
                 request.num_prompt_tokens,
                 request.num_output_tokens,
                 t.lease_covered,
+                request.client_index,
             )
         )
         return result
@@ -866,12 +865,22 @@ class TenantSchedulingMixin:
         kind: str,
         expires_at: float | None,
         at: float,
-        request_id: str | None = None,
+        request: Request | None = None,
     ) -> None:
         assert holder.tenant_id is not None and holder.tier is not None
+        request_id, api_server = (
+            (None, 0) if request is None else (request.request_id, request.client_index)
+        )
         self.events.push(
             LeaseEvent(
-                at, holder.tenant_id, holder.session_id, holder.tier, kind, expires_at, request_id
+                at,
+                holder.tenant_id,
+                holder.session_id,
+                holder.tier,
+                kind,
+                expires_at,
+                request_id,
+                api_server,
             )
         )
 

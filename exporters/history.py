@@ -79,7 +79,7 @@ class History:
                 }
             )
 
-    def add_event(self, event: object) -> None:
+    def add_event(self, event: object, engine: int = 0) -> None:
         if isinstance(event, Preemption):
             kind, reason = "preemption", event.reason
         elif isinstance(event, Eviction):
@@ -97,6 +97,7 @@ class History:
                     "tier": event.tier,
                     "reason": reason,
                     "blocks": event.blocks,
+                    "engine": engine,
                 }
             )
 

@@ -196,6 +196,7 @@ class RequestJoin:
         self.consumers: list[Consumer] = []
         self.in_flight: dict[str, InFlight] = {}  # kvl- id -> entry, while in this process
         self.overflowed = 0  # deliveries forced by max_pending
+        self.on_overflow: Callable[[int], None] = lambda n: None  # the metrics' counter
         self._pending: dict[str, FinishedRequest] = {}
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
@@ -294,6 +295,7 @@ class RequestJoin:
             if len(self._pending) >= self.max_pending:
                 released = self._release(next(iter(self._pending)))
                 self.overflowed += len(released)
+                self.on_overflow(len(released))
             pending = FinishedRequest(key, self.clock(), self.in_flight.get(key))
             self._pending[key] = pending
         return pending, released

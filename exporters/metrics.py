@@ -15,12 +15,12 @@ Dashboards, alert rules and the Streamlit page take these names from here
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections import Counter
+import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -30,11 +30,13 @@ from prometheus_client.core import (
 
 from engine.accounting import LEASE_OUTCOMES as LEASE_OUTCOMES  # LEASE_REUSE outcomes
 from engine.budgets import ALERT_RATIO
-from engine.events import EngineState, TenantHolding
+from engine.events import EngineState, RequestDone, TenantHolding
 from engine.labels import UNCLASSIFIED, TenantLabels
 from engine.tenancy import TierTable
 from exporters.join import finish_outcome
-from exporters.view import EngineView
+from exporters.view import EngineView, merge_states
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; vLLM sets it
 
 
 @dataclass(frozen=True)
@@ -60,27 +62,30 @@ KV_BLOCKS = Family(
     "gauge",
     "KV blocks a tenant holds now, by state: running (referenced by its requests), "
     "cached_leased (its cached prefixes protected by a lease), cached (its evictable prefixes).",
-    ("tenant_id", "state"),
+    ("tenant_id", "state", "engine"),
 )
 BLOCK_STATES = TenantHolding.__struct_fields__  # KV_BLOCKS's `state` values, in stack order
-POOL_BLOCKS = Family("vllm_tenant_kv_pool_blocks", "gauge", "Usable KV blocks in the pool.")
+POOL_BLOCKS = Family(
+    "vllm_tenant_kv_pool_blocks", "gauge", "Usable KV blocks in the pool.", ("engine",)
+)
 FREE_BLOCKS = Family(
     "vllm_tenant_kv_free_blocks",
     "gauge",
     "Free KV blocks: empty ones plus cached prefixes that may be evicted.",
+    ("engine",),
 )
 LEASES_ACTIVE = Family(
     "vllm_tenant_lease_active",
     "gauge",
     "Sessions of the tenant whose lease is running.",
-    ("tenant_id",),
+    ("tenant_id", "engine"),
 )
 LEASE_SECONDS_LEFT = Family(
     "vllm_tenant_lease_seconds_left",
     "gauge",
     "Longest time left on any of the tenant's leases, in seconds (a full lease while a "
     "request is in flight).",
-    ("tenant_id",),
+    ("tenant_id", "engine"),
 )
 PREEMPTIONS = Family(
     "vllm_tenant_preemptions_total",
@@ -109,7 +114,7 @@ SWAPPED_BLOCKS = Family(
     "gauge",
     "KV blocks of the tenant's requests preempted in offload mode and not yet resumed "
     "(always 0 where vLLM has no KV offloading, such as on CPU).",
-    ("tenant_id",),
+    ("tenant_id", "engine"),
 )
 LEASE_REUSE = Family(
     "vllm_tenant_lease_reuse_tokens_total",
@@ -125,7 +130,7 @@ FAIR_VIRTUAL_TOKENS = Family(
     "Virtual token counter of a tenant in its tier: weighted tokens served (prompt 1, "
     "generated 2) over its weight; of the tenants waiting, the smallest is admitted next. "
     "Idle tenants at the floor are forgotten.",
-    ("tenant_id", "tier"),
+    ("tenant_id", "tier", "engine"),
 )
 FAIR_SERVED = Family(
     "vllm_tenant_fair_served_tokens_total",
@@ -177,9 +182,11 @@ WAITING = Family(
     "vllm_tenant_waiting_requests",
     "gauge",
     "Requests in the scheduler's waiting queue, by tier (unclassified: no tenant fields).",
-    ("tier",),
+    ("tier", "engine"),
 )
-RUNNING = Family("vllm_tenant_running_requests", "gauge", "Requests the scheduler is running.")
+RUNNING = Family(
+    "vllm_tenant_running_requests", "gauge", "Requests the scheduler is running.", ("engine",)
+)
 LEDGER_RECORDS = Family(
     "vllm_tenant_ledger_records_total",
     "counter",
@@ -263,114 +270,129 @@ def _family(f: Family) -> Metric:
     return HistogramMetricFamily(f.name, f.help, labels=f.labels)
 
 
-@dataclass(frozen=True)
-class ProcessCounts:
-    """This API process's own counters, read at each scrape."""
-
-    ledger_records: int = 0
-    ledger_write_errors: int = 0
-    ledger_dead_letters: int = 0
-    join_overflows: int = 0
-    budget_used: dict[str, float] = field(default_factory=dict)  # tenant -> spend / budget
+def multiprocess() -> bool:
+    """True under vLLM's `--api-server-count` > 1, which sets PROMETHEUS_MULTIPROC_DIR."""
+    return MULTIPROC_ENV in os.environ
 
 
-@dataclass
-class _Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    total: float = 0.0
+class ProcessMetrics:
+    """The figures that arise in one API process, as prometheus_client's own Counter and
+    Histogram: tokens and outcomes of the requests it served, their latencies, its ledger
+    commits and join overflows. With one API process they live in memory; with several
+    (`multiprocess()`), every process writes its values to files in that folder and a
+    scrape of any process sums them (prometheus_client's MultiProcessCollector), so a
+    scrape sees each process once. inc/observe are O(1)."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
-        self.total += value
+    FAMILIES = (
+        TOKENS,
+        REQUESTS,
+        TTFT,
+        E2E,
+        LEDGER_RECORDS,
+        LEDGER_ERRORS,
+        LEDGER_DEAD_LETTERS,
+        JOIN_OVERFLOWS,
+    )
 
-    def buckets(self) -> list[tuple[str, int]]:
-        out, running = [], 0
-        for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.counts, strict=True):
-            running += n
-            out.append((bound, running))
-        return out
+    def __init__(self) -> None:
+        def counter(f: Family) -> PromCounter:
+            return PromCounter(f.family, f.help, f.labels, registry=None)
+
+        def histogram(f: Family) -> Histogram:
+            return Histogram(f.name, f.help, f.labels, buckets=LATENCY_BUCKETS, registry=None)
+
+        self.tokens, self.requests = counter(TOKENS), counter(REQUESTS)
+        self.ttft, self.e2e = histogram(TTFT), histogram(E2E)
+        self.ledger_records, self.ledger_errors = counter(LEDGER_RECORDS), counter(LEDGER_ERRORS)
+        self.dead_letters = counter(LEDGER_DEAD_LETTERS)
+        self.join_overflows = counter(JOIN_OVERFLOWS)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in (
+            self.tokens,
+            self.requests,
+            self.ttft,
+            self.e2e,
+            self.ledger_records,
+            self.ledger_errors,
+            self.dead_letters,
+            self.join_overflows,
+        ):
+            yield from metric.collect()
 
 
 class TenantMetrics:
-    """The collector: per-request numbers kept here, engine numbers read from the view."""
+    """The collector: engine numbers read from the view, per-request numbers kept in
+    `process` (which a multiprocess scrape reads from its files instead)."""
 
     def __init__(
         self,
         view: EngineView,
         tiers: TierTable,
         labels: TenantLabels,
-        process_counts: Callable[[], ProcessCounts] = ProcessCounts,
+        budget_used: Callable[[], dict[str, float]] = dict,
     ) -> None:
         self.view, self.tiers, self.labels = view, tiers, labels
-        self.process_counts = process_counts
-        self._lock = threading.Lock()
-        self._tokens: Counter[tuple[str, str]] = Counter()
-        self._requests: Counter[tuple[str, str]] = Counter()
-        self._ttft: dict[str, _Histogram] = {}
-        self._e2e: dict[str, _Histogram] = {}
+        self.budget_used = budget_used  # tenant -> month-to-date spend / budget
+        self.process = ProcessMetrics()
 
     def request_finished(self, tenant: str | None, tier: str | None, stats) -> None:
         """One vLLM FinishedRequestStats, attributed to its tenant."""
         label, tier_label = self.labels(tenant), tier or UNCLASSIFIED
-        with self._lock:
-            self._tokens[(label, "input")] += stats.num_prompt_tokens
-            self._tokens[(label, "cached_input")] += stats.num_cached_tokens
-            self._tokens[(label, "output")] += stats.num_generation_tokens
-            self._requests[(label, finish_outcome(stats.finish_reason))] += 1
-            self._ttft.setdefault(tier_label, _Histogram()).observe(
-                stats.queued_time + stats.prefill_time
-            )
-            self._e2e.setdefault(tier_label, _Histogram()).observe(stats.e2e_latency)
+        tokens = self.process.tokens
+        tokens.labels(label, "input").inc(stats.num_prompt_tokens)
+        tokens.labels(label, "cached_input").inc(stats.num_cached_tokens)
+        tokens.labels(label, "output").inc(stats.num_generation_tokens)
+        self.process.requests.labels(label, finish_outcome(stats.finish_reason)).inc()
+        self.process.ttft.labels(tier_label).observe(stats.queued_time + stats.prefill_time)
+        self.process.e2e.labels(tier_label).observe(stats.e2e_latency)
+
+    def engine_event(self, event: object) -> None:
+        """A request of this process left the engine: count its recomputed tokens (the
+        view hands each API process only the events of its own requests)."""
+        if isinstance(event, RequestDone) and event.recomputed_tokens:
+            label = self.labels(event.tenant_id)
+            self.process.tokens.labels(label, "recomputed").inc(event.recomputed_tokens)
 
     def collect(self) -> Iterator[Metric]:
-        fam = {f.name: _family(f) for f in FAMILIES}
-        state = self.view.snapshot()
-        tokens = Counter()
-        with self._lock:
-            tokens.update(self._tokens)
-            requests = Counter(self._requests)
-            ttft = {k: (h.buckets(), h.total) for k, h in self._ttft.items()}
-            e2e = {k: (h.buckets(), h.total) for k, h in self._e2e.items()}
-        if state is not None:
-            self._engine_families(fam, state, tokens)
-        for (tenant, kind), n in sorted(tokens.items()):
-            fam[TOKENS.name].add_metric([tenant, kind], n)
-        for (tenant, outcome), n in sorted(requests.items()):
-            fam[REQUESTS.name].add_metric([tenant, outcome], n)
-        for name, hists in ((TTFT.name, ttft), (E2E.name, e2e)):
-            for tier, (buckets, total) in sorted(hists.items()):
-                fam[name].add_metric([tier], buckets, total)
-        counts = self.process_counts()
-        fam[LEDGER_RECORDS.name].add_metric([], counts.ledger_records)
-        fam[LEDGER_ERRORS.name].add_metric([], counts.ledger_write_errors)
-        fam[LEDGER_DEAD_LETTERS.name].add_metric([], counts.ledger_dead_letters)
-        fam[JOIN_OVERFLOWS.name].add_metric([], counts.join_overflows)
+        fam = {f.name: _family(f) for f in FAMILIES if f not in ProcessMetrics.FAMILIES}
+        engines = self.view.engines()
+        if engines:
+            self._engine_families(fam, engines)
         used: dict[str, float] = {}
-        for tenant, ratio in counts.budget_used.items():
+        for tenant, ratio in self.budget_used().items():
             label = self.labels(tenant)
             used[label] = max(ratio, used.get(label, 0.0))
         for label, ratio in sorted(used.items()):
             fam[BUDGET_USED.name].add_metric([label], ratio)
         yield from fam.values()
+        if not multiprocess():  # else the scrape reads every process's files
+            yield from self.process.collect()
 
-    def _engine_families(self, fam: dict[str, Metric], state: EngineState, tokens: Counter) -> None:
-        totals = state.totals
-        fam[POOL_BLOCKS.name].add_metric([], state.pool_blocks)
-        fam[FREE_BLOCKS.name].add_metric([], state.free_blocks)
-        fam[EVENTS_DROPPED.name].add_metric([], state.events_dropped)
-        fam[RUNNING.name].add_metric([], state.running)
-        for tier, n in state.waiting_by_tier.items():
-            fam[WAITING.name].add_metric([tier], n)
-        offloaded = dict(totals.offloaded_blocks)
-        for tenant, held in sorted(state.tenants.items()):
-            for kind in BLOCK_STATES:
-                fam[KV_BLOCKS.name].add_metric([tenant, kind], getattr(held, kind))
-            fam[SWAPPED_BLOCKS.name].add_metric([tenant], offloaded.get(tenant, 0))
-        for tenant, tier in sorted(state.tenant_tiers.items()):
+    def _engine_families(self, fam: dict[str, Metric], engines: dict[int, EngineState]) -> None:
+        """Gauges per data-parallel rank (label `engine`); counters as the ranks' sums."""
+        for rank, state in engines.items():
+            e = str(rank)
+            fam[POOL_BLOCKS.name].add_metric([e], state.pool_blocks)
+            fam[FREE_BLOCKS.name].add_metric([e], state.free_blocks)
+            fam[RUNNING.name].add_metric([e], state.running)
+            for tier, n in state.waiting_by_tier.items():
+                fam[WAITING.name].add_metric([tier, e], n)
+            offloaded = dict(state.totals.offloaded_blocks)
+            for tenant, held in sorted(state.tenants.items()):
+                for kind in BLOCK_STATES:
+                    fam[KV_BLOCKS.name].add_metric([tenant, kind, e], getattr(held, kind))
+                fam[SWAPPED_BLOCKS.name].add_metric([tenant, e], offloaded.get(tenant, 0))
+            for tenant, lease in sorted(state.lease_summary.items()):
+                fam[LEASES_ACTIVE.name].add_metric([tenant, e], lease.active)
+                fam[LEASE_SECONDS_LEFT.name].add_metric([tenant, e], lease.seconds_left_max)
+            for row in state.fair_share:
+                fam[FAIR_VIRTUAL_TOKENS.name].add_metric([row.tenant_id, row.tier, e], row.counter)
+        whole = merge_states(list(engines.values()))
+        totals = whole.totals
+        fam[EVENTS_DROPPED.name].add_metric([], whole.events_dropped)
+        for tenant, tier in sorted(whole.tenant_tiers.items()):
             fam[TENANT_INFO.name].add_metric([tenant, tier], 1)
-        for tenant, lease in sorted(state.lease_summary.items()):
-            fam[LEASES_ACTIVE.name].add_metric([tenant], lease.active)
-            fam[LEASE_SECONDS_LEFT.name].add_metric([tenant], lease.seconds_left_max)
         for tenant, tier, reason, mode, n in totals.preemptions:
             fam[PREEMPTIONS.name].add_metric([tenant, str(tier), reason, mode], n)
         for tenant, tier, reason, n in totals.preempted_blocks:
@@ -381,15 +403,11 @@ class TenantMetrics:
             fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
         for tenant, seconds in totals.block_seconds:
             fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
-        for tenant, n in totals.recomputed_tokens:
-            tokens[(tenant, "recomputed")] += n
         for tier, outcome, n in sorted(totals.lease_reuse_tokens):
             fam[LEASE_REUSE.name].add_metric([tier, outcome], n)
         for tenant, tier, served, entitled in sorted(totals.fair_share_tokens):
             fam[FAIR_SERVED.name].add_metric([tenant, tier], served)
             fam[FAIR_ENTITLED.name].add_metric([tenant, tier], entitled)
-        for row in state.fair_share:
-            fam[FAIR_VIRTUAL_TOKENS.name].add_metric([row.tenant_id, row.tier], row.counter)
 
     def _priority(self, tier: str | None) -> str:
         return str(self.tiers[tier].priority) if tier in self.tiers else "none"

@@ -19,6 +19,7 @@ half-joined requests, commit queued records, flush spans.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ from engine.tenancy import TierTable
 from exporters import tracing
 from exporters.join import RequestJoin
 from exporters.ledger import DB_ENV, UsageLedger
-from exporters.metrics import ProcessCounts, TenantMetrics
+from exporters.metrics import TenantMetrics
 from exporters.spend import SpendTracker
 from exporters.view import EngineView
 from exporters.writer import LedgerWriter
@@ -49,6 +50,7 @@ class Telemetry:
         self.budgets: SpendTracker | None = None
         self._tracer_provider: Any = None
         self._lock = threading.Lock()
+        self._stopped = False
 
     def start(self) -> Telemetry:
         """Bind the channel, register the metrics, and start the ledger writer, spans and
@@ -58,10 +60,14 @@ class Telemetry:
                 return self
             self.view.start()
             tiers = TierTable.load()
-            self.metrics = TenantMetrics(self.view, tiers, TenantLabels.from_env(), self._counts)
-            REGISTRY.register(self.metrics)
+            metrics = TenantMetrics(self.view, tiers, TenantLabels.from_env(), self._budget_used)
+            REGISTRY.register(metrics)
+            self.metrics = metrics
+            self.view.add_listener(metrics.engine_event)
+            self.join.on_overflow = metrics.process.join_overflows.inc
             if os.environ.get(DB_ENV):
-                self.writer = LedgerWriter(UsageLedger(os.environ[DB_ENV]), tiers)
+                ledger = UsageLedger(os.environ[DB_ENV])
+                self.writer = LedgerWriter(ledger, tiers, metrics=metrics.process)
                 self.join.consumers.append(self.writer)
                 if os.environ.get(BUDGETS_ENV):
                     path = os.environ[BUDGETS_ENV]
@@ -72,10 +78,15 @@ class Telemetry:
             if self.join.consumers:
                 self.view.add_listener(self.join.engine_event)
                 self.join.start()
+            atexit.register(self.stop)  # vLLM's extra API processes simply exit
             return self
 
     def stop(self) -> None:
-        """At shutdown, after the engine has stopped: nothing queued is lost."""
+        """At shutdown, after the engine has stopped: nothing queued is lost. Once."""
+        with self._lock:
+            if self._stopped or self.metrics is None:
+                return
+            self._stopped = True
         self.view.stop()
         if self.budgets is not None:
             self.budgets.close()
@@ -90,16 +101,10 @@ class Telemetry:
         `LedgerError` if there is none (a reader never creates one)."""
         return self.writer.ledger if self.writer is not None else UsageLedger(create=False)
 
-    def _counts(self) -> ProcessCounts:
-        writer, overflows = self.writer, self.join.overflowed
-        if writer is None:
-            return ProcessCounts(join_overflows=overflows)
-        used = {}
-        if self.budgets is not None:
-            used = {t: v.ratio for t, v in self.budgets.verdicts().items()}
-        return ProcessCounts(
-            writer.written, writer.write_errors, writer.dead_letters, overflows, used
-        )
+    def _budget_used(self) -> dict[str, float]:
+        if self.budgets is None:
+            return {}
+        return {t: v.ratio for t, v in self.budgets.verdicts().items()}
 
 
 TELEMETRY = Telemetry()

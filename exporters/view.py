@@ -1,33 +1,124 @@
-"""The API process's view of the engine: the latest scheduler snapshot, plus listeners.
+"""The API process's view of the engines: the latest snapshot of each, plus listeners.
 
-The channel's receiver thread applies each `engine.events.Message` from the
-EngineCore; routes read `snapshot()` / `state_json()` and `history`, and the
-request join registers a listener that sees every event once.
+The channel's receiver thread applies each `engine.events.Message` from an
+EngineCore (one per data-parallel rank); routes read `snapshot()` (the whole:
+every rank summed) or `engines()` (each rank), `state_json()` and `history`,
+and the request join registers a listener that sees every event of the
+requests this API process owns once.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
 
-from engine.channel import ADDRESS_ENV, Receiver
-from engine.events import EngineState, Event, Message
+from engine.channel import ADDRESS_ENV, Receiver, address_for
+from engine.events import EngineState, Event, LeaseSummary, Message, TenantHolding, Totals
 from engine.labels import TenantLabels
 from exporters.history import History
 
 Listener = Callable[[Event], None]
+_API_PROCESS = re.compile(r"ApiServer_(\d+)")
+
+
+def api_server_index() -> int:
+    """This process's index among vLLM's API processes: vLLM names the processes it
+    spawns for `--api-server-count N` `ApiServer_0` ... `ApiServer_{N-1}` (and passes
+    the same index to the engines as each request's `client_index`); one API
+    process is 0."""
+    match = _API_PROCESS.fullmatch(multiprocessing.current_process().name)
+    return int(match.group(1)) if match else 0
+
+
+def _sum_rows(rows: Iterable[tuple], values: int = 1) -> list[tuple]:
+    """Rows (key..., value...) with equal keys summed: ranks' cumulative totals."""
+    out: dict[tuple, list] = {}
+    for row in rows:
+        key, vals = row[:-values], row[-values:]
+        acc = out.setdefault(key, [0] * values)
+        for i, v in enumerate(vals):
+            acc[i] += v
+    return [(*k, *v) for k, v in out.items()]
+
+
+def merge_states(states: list[EngineState]) -> EngineState:
+    """The whole of several data-parallel ranks: blocks, requests, leases and every
+    cumulative total summed; the snapshot time is the oldest rank's. One rank is itself."""
+    if len(states) == 1:
+        return states[0]
+    tenants: dict[str, TenantHolding] = {}
+    summary: dict[str, LeaseSummary] = {}
+    waiting: dict[str, int] = {}
+    for s in states:
+        for tenant, h in s.tenants.items():
+            t = tenants.setdefault(tenant, TenantHolding())
+            t.running, t.cached_leased, t.cached = (
+                t.running + h.running,
+                t.cached_leased + h.cached_leased,
+                t.cached + h.cached,
+            )
+        for tenant, lease in s.lease_summary.items():
+            m = summary.setdefault(tenant, LeaseSummary())
+            m.active += lease.active
+            m.seconds_left_max = max(m.seconds_left_max, lease.seconds_left_max)
+        for tier, n in s.waiting_by_tier.items():
+            waiting[tier] = waiting.get(tier, 0) + n
+    totals = [s.totals for s in states]
+    return EngineState(
+        at=min(s.at for s in states),
+        pool_blocks=sum(s.pool_blocks for s in states),
+        free_blocks=sum(s.free_blocks for s in states),
+        tenants=tenants,
+        tenant_tiers={k: v for s in states for k, v in s.tenant_tiers.items()},
+        leases=[lease for s in states for lease in s.leases],
+        leases_total=sum(s.leases_total for s in states),
+        lease_summary=summary,
+        running=sum(s.running for s in states),
+        waiting=sum(s.waiting for s in states),
+        waiting_by_tier=waiting,
+        events_dropped=sum(s.events_dropped for s in states),
+        totals=Totals(
+            **{
+                field: _sum_rows(
+                    (row for t in totals for row in getattr(t, field)),
+                    2 if field == "fair_share_tokens" else 1,
+                )
+                for field in Totals.__struct_fields__
+            }
+        ),
+        fair_share=[row for s in states for row in s.fair_share],
+    )
+
+
+def _leases_now(state: EngineState, now: float) -> EngineState:
+    """`state` with lease time left recounted for now (expired ones gone)."""
+    leases = []
+    for lease in state.leases:
+        if lease.expires_at is not None:
+            left = lease.expires_at - now
+            if left <= 0:
+                continue  # ran out since the snapshot; the engine drops it next step
+            lease = msgspec.structs.replace(lease, seconds_left=left)
+        leases.append(lease)
+    return msgspec.structs.replace(state, leases=leases)
 
 
 class EngineView:
-    def __init__(self, labels: TenantLabels | None = None) -> None:
+    """Holds one snapshot per engine rank (O(ranks) memory); `snapshot()` merges them
+    on each call, O(ranks x tenants)."""
+
+    def __init__(self, labels: TenantLabels | None = None, api_server: int = 0) -> None:
         self._lock = threading.Lock()
-        self._state: EngineState | None = None
+        self._states: dict[int, EngineState] = {}
         self._listeners: list[Listener] = []
+        self.api_server = api_server  # events of requests owned elsewhere skip the listeners
         self.receiver: Receiver | None = None
         self.messages = 0
         self.history = History(labels or TenantLabels.from_env())
@@ -41,50 +132,56 @@ class EngineView:
             self.messages += 1
             listeners = list(self._listeners)
             if message.state is not None:
-                self._state = message.state
+                self._states[message.engine] = message.state
+                whole = merge_states([self._states[r] for r in sorted(self._states)])
         if message.state is not None:
-            self.history.add_state(message.state)
+            self.history.add_state(whole)
         for event in message.events:
-            self.history.add_event(event)
+            self.history.add_event(event, message.engine)
+            if getattr(event, "api_server", self.api_server) != self.api_server:
+                continue  # another API process's request: it joins that one's record
             for listener in listeners:
                 listener(event)
 
-    def snapshot(self) -> EngineState | None:
-        """The latest state, with lease time left recounted for now (expired ones gone)."""
+    def engines(self) -> dict[int, EngineState]:
+        """Each rank's latest state, lease time left recounted for now."""
         with self._lock:
-            state = self._state
-        if state is None:
-            return None
+            states = dict(self._states)
         now = time.monotonic()
-        leases = []
-        for lease in state.leases:
-            if lease.expires_at is not None:
-                left = lease.expires_at - now
-                if left <= 0:
-                    continue  # ran out since the snapshot; the engine drops it next step
-                lease = msgspec.structs.replace(lease, seconds_left=left)
-            leases.append(lease)
-        return msgspec.structs.replace(state, leases=leases)
+        return {rank: _leases_now(states[rank], now) for rank in sorted(states)}
+
+    def snapshot(self) -> EngineState | None:
+        """The whole (every rank summed), lease time left recounted for now."""
+        with self._lock:
+            states = [self._states[r] for r in sorted(self._states)]
+        if not states:
+            return None
+        return _leases_now(merge_states(states), time.monotonic())
 
     def state_json(self) -> dict[str, Any] | None:
-        """`snapshot()` as `/admin/state` answers it: plus its age and the message count."""
-        state = self.snapshot()
-        if state is None:
+        """`/admin/state`: the whole, its age and the message count, and under `engines`
+        each data-parallel rank's own state (keyed by rank)."""
+        engines = self.engines()
+        if not engines:
             return None
-        out = msgspec.to_builtins(state)
-        out["age_seconds"] = max(0.0, time.monotonic() - state.at)
+        now = time.monotonic()
+        whole = merge_states(list(engines.values()))
+        out = msgspec.to_builtins(whole)
+        out["age_seconds"] = max(0.0, now - whole.at)
         out["channel_messages"] = self.messages
+        out["engines"] = {str(rank): msgspec.to_builtins(state) for rank, state in engines.items()}
         return out
 
     def start(self, address: str | None = None) -> bool:
-        """Bind the channel once per process; False when no address is configured."""
+        """Bind this API process's channel address once; False when none is configured."""
         with self._lock:
             if self.receiver is not None:
                 return True
-            address = address or os.environ.get(ADDRESS_ENV)
-            if not address:
+            base = address or os.environ.get(ADDRESS_ENV)
+            if not base:
                 return False
-            self.receiver = Receiver(address, self.apply)
+            self.api_server = api_server_index()
+            self.receiver = Receiver(address_for(base, self.api_server), self.apply)
             return True
 
     def stop(self) -> None:

@@ -30,6 +30,7 @@ from engine.paths import kvlease_home
 from engine.tenancy import TierTable
 from exporters.join import FinishedRequest
 from exporters.ledger import UsageLedger, UsageRecord
+from exporters.metrics import ProcessMetrics
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
 DEAD_LETTER_FILE = "ledger-dead-letters.jsonl"  # under KVLEASE_HOME
@@ -79,6 +80,7 @@ class LedgerWriter:
         tiers: TierTable | None = None,
         batch: int = 4096,
         dead_letter_path: Path | None = None,
+        metrics: ProcessMetrics | None = None,
     ) -> None:
         self.ledger = ledger
         self.tiers = tiers
@@ -87,6 +89,7 @@ class LedgerWriter:
         self.write_errors = 0
         self.written = 0
         self.dead_letters = 0
+        self.metrics = metrics or ProcessMetrics()  # the same counts, for /metrics
         self._queue: queue.Queue[UsageRecord | None] = queue.Queue()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._committed_early: set[str] = set()
@@ -140,12 +143,14 @@ class LedgerWriter:
                 break
             except Exception:  # the database itself: retry the batch, never drop it
                 self.write_errors += 1
+                self.metrics.ledger_errors.inc()
                 logger.exception(
                     "kvlease ledger: commit of %d records failed; retrying", len(batch)
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
         self.written += len(batch)
+        self.metrics.ledger_records.inc(len(batch))
         with self._lock:
             for record in batch:
                 waiter = self._waiters.pop(record.request_id, None)
@@ -175,6 +180,7 @@ class LedgerWriter:
         """Set aside a record the database will never take, with the reason: one JSON line
         each, appended and fsynced, for an operator to fix and replay (writes are idempotent)."""
         self.dead_letters += 1
+        self.metrics.dead_letters.inc()
         reason = str(getattr(exc, "orig", exc)).splitlines()[0][:500]
         logger.error(
             "kvlease ledger: record %s refused by the database (%s); set aside in %s",

@@ -31,6 +31,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from engine.affinity import RANK_HEADER, session_rank
 from engine.auth import (
     ID_RULE,
     KEYS_ENV,
@@ -46,6 +50,7 @@ from engine.labels import hash_key_from_env
 from engine.tenancy import TenantContext, TierTable
 from exporters.billing import period
 from exporters.join import InFlight, new_request_id
+from exporters.metrics import multiprocess
 from exporters.telemetry import TELEMETRY
 from exporters.writer import wait_seconds
 
@@ -58,6 +63,9 @@ logger = logging.getLogger("kvlease.server")
 SALT_KEY_ENV = "KVLEASE_CACHE_SALT_KEY"
 MAX_BODY_ENV = "KVLEASE_MAX_BODY_BYTES"
 METRICS_AUTH_ENV = "KVLEASE_METRICS_AUTH"
+DATA_PARALLEL_ENV = (
+    "KVLEASE_DATA_PARALLEL_SIZE"  # vLLM's --data-parallel-size; kvlease serve sets it
+)
 METRICS_ROLES = frozenset({"metrics", "admin"})
 PUBLIC_PREFIXES = ("/metrics/",)  # vLLM mounts its Prometheus app at /metrics
 PUBLIC_PATHS = frozenset(
@@ -95,7 +103,8 @@ GENERATION_PATHS = frozenset(
         "/inference/v1/generate",
     }
 )
-DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority"})
+# kvlease chooses the request id, the priority and the rank (engine.affinity), not clients.
+DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority", RANK_HEADER})
 SESSION_HEADER = b"x-session-id"
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
 
@@ -122,6 +131,7 @@ class ServerConfig:
     salt_key: bytes
     max_body_bytes: int = 16 * 1024 * 1024
     metrics_auth: bool = False  # /metrics needs a token with the metrics (or admin) role
+    data_parallel_size: int = 1  # engines behind this server; sessions are pinned to one
 
     @classmethod
     def from_env(cls) -> ServerConfig:
@@ -148,7 +158,10 @@ class ServerConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         metrics_auth = os.environ.get(METRICS_AUTH_ENV, "").lower() in ("1", "true", "yes", "on")
-        return cls(auth, tiers, salt_key, max_body, metrics_auth)
+        ranks = os.environ.get(DATA_PARALLEL_ENV, "1")
+        if not ranks.isdigit() or int(ranks) < 1:
+            raise ConfigError(f"{DATA_PARALLEL_ENV} must be a whole number >= 1, not {ranks!r}")
+        return cls(auth, tiers, salt_key, max_body, metrics_auth, int(ranks))
 
     def cache_salt(self, tenant_id: str) -> str:
         return hmac.new(self.salt_key, tenant_id.encode(), hashlib.sha256).hexdigest()
@@ -182,6 +195,21 @@ async def send_error(send: Send, status: int, message: str, code: str, headers=(
 
 def _is_metrics(path: str) -> bool:
     return path == "/metrics" or path.startswith("/metrics/")
+
+
+async def _multiprocess_metrics(send: Send) -> None:
+    """`/metrics` under `--api-server-count` > 1. vLLM's own route then reads only
+    prometheus_client's multiprocess files, so it would miss kvlease's collector; this
+    answers with both: every process's files (vLLM's series and kvlease's per-process
+    counters, summed) plus the engine series, which every API process holds whole."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)
+    if TELEMETRY.metrics is not None:
+        registry.register(TELEMETRY.metrics)
+    body = generate_latest(registry)
+    headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def route_class(path: str) -> str:
@@ -245,13 +273,18 @@ class TenantMiddleware:
             if self.config.metrics_auth and _is_metrics(scope["path"]):
                 klass = "metrics"
         if klass == "public":
+            if _is_metrics(scope.get("path", "")) and multiprocess():
+                await _multiprocess_metrics(send)
+                return
             await self.app(scope, receive, send)
             return
         ctx = await self._verify(scope, send, klass)
         if ctx is None:
             return  # already answered with an error
         scope.setdefault("state", {})[STATE_KEY] = ctx
-        if klass == "tenant":
+        if klass == "metrics" and multiprocess():
+            await _multiprocess_metrics(send)
+        elif klass == "tenant":
             await self._tenant_request(scope, receive, send, ctx)
         else:
             await self.app(scope, receive, send)
@@ -341,6 +374,9 @@ class TenantMiddleware:
         entry = InFlight(ctx, scope["path"], time.time_ns(), _header(scope, b"traceparent"))
         kept = [(k, v) for k, v in scope["headers"] if k.lower() not in DROPPED_HEADERS]
         scope["headers"] = [*kept, (b"x-request-id", request_id.encode())]
+        if ctx.session_id is not None and self.config.data_parallel_size > 1:
+            rank = session_rank(ctx.tenant_id, ctx.session_id, self.config.data_parallel_size)
+            scope["headers"].append((RANK_HEADER, str(rank).encode()))
         if scope["method"] == "POST":
             rewritten = await self._rewrite_body(scope, receive, send, entry, request_id)
             if rewritten is None:

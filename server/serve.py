@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -49,12 +50,27 @@ from engine.runtime import (
 )
 from engine.tenancy import TIERS_ENV, TierConfigError, TierTable
 from exporters.tracing import ENABLE_ENV as OTEL_ENV
-from server.middleware import METRICS_AUTH_ENV, ConfigError, ServerConfig, error_body
+from server.middleware import (
+    DATA_PARALLEL_ENV,
+    METRICS_AUTH_ENV,
+    SALT_KEY_ENV,
+    ConfigError,
+    ServerConfig,
+    error_body,
+)
 
 SCHEDULER = "engine.vllm_scheduler.TenantAwareScheduler"
 MIDDLEWARE = "server.middleware.TenantMiddleware"
 ADMIN_PLUGIN = "kvlease_admin"
 OWNED_FLAGS = ("--scheduler-cls",)
+EXTERNAL_LB_FLAGS = (
+    "--headless",
+    "--data-parallel-rank",
+    "--data-parallel-start-rank",
+    "--data-parallel-external-lb",
+    "--data-parallel-hybrid-lb",
+    "--data-parallel-multi-port-external-lb",
+)
 STARTING = error_body(503, "the engine is starting; retry shortly", "engine_starting")
 
 
@@ -223,9 +239,16 @@ def run_serve(argv: Sequence[str]) -> int:
     validate_parsed_serve_args(vllm_args)
     try:
         check_pool(vllm_args)
+        api_servers = scale_out(vllm_args)
     except ConfigError as exc:
         print(f"kvlease serve: error: {exc}", file=sys.stderr)
         return 2
+
+    if api_servers > 1:
+        from vllm.entrypoints.cli.serve import run_multi_api_server
+
+        run_multi_api_server(vllm_args)  # engines here, API processes spawned; blocks
+        return 0
 
     import uvloop
 
@@ -234,6 +257,36 @@ def run_serve(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def scale_out(vllm_args: argparse.Namespace) -> int:
+    """Check the data-parallel shape and prepare the environment for it; the number of
+    API processes.
+
+    kvlease runs vLLM's internal load balancing on one node: `--data-parallel-size N`
+    engines behind `--api-server-count M` API processes (M defaults to N, as with
+    `vllm serve`). Every API process pins sessions to ranks (it needs N) and salts
+    prefixes with one key (else a session's next turn through another API process
+    misses its cache). Across nodes, run replicas behind a router instead."""
+    for flag in EXTERNAL_LB_FLAGS:
+        value = getattr(vllm_args, flag.removeprefix("--").replace("-", "_"), None)
+        if value is not None and value is not False:  # a rank 0 is set too
+            raise ConfigError(
+                f"{flag} is not supported: kvlease serve runs vLLM's internal data-parallel "
+                "load balancing on one node; across nodes run replicas (README: Running a fleet)"
+            )
+    ranks = vllm_args.data_parallel_size
+    if vllm_args.api_server_count is None:
+        vllm_args.api_server_count = ranks
+    api_servers = vllm_args.api_server_count
+    if api_servers < 1:
+        raise ConfigError("--api-server-count must be at least 1")
+    os.environ[DATA_PARALLEL_ENV] = str(ranks)
+    if api_servers > 1:
+        os.environ.setdefault(SALT_KEY_ENV, secrets.token_hex(32))
+    else:
+        vllm_args.api_server_count = None  # as vLLM's single-server path expects
+    return api_servers
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from dashboard import charts, data
-from engine.events import EngineState, Eviction, LeaseEvent, Preemption, Totals
+from engine.events import EngineState, Eviction, LeaseEvent, Message, Preemption, Totals
 from engine.labels import TenantLabels
 from exporters.history import History
 
@@ -271,3 +271,34 @@ def test_config_comes_from_the_environment_and_refresh_is_at_least_2_s():
     )
     assert (config.engine, config.prometheus, config.token) == ("http://e:8000", None, "t")
     assert config.refresh_seconds == 2.0
+
+
+def test_each_data_parallel_rank_is_a_row_beside_the_whole():
+    from exporters.view import EngineView
+
+    view = EngineView()
+    for rank, (pool, free, held) in enumerate([(63, 20, (5, 2, 1)), (63, 40, (1, 0, 3))]):
+        state = _typed(_state(acme=held) | {"pool_blocks": pool, "free_blocks": free})
+        view.apply(Message(state=state, engine=rank))
+    live = data.live_from_engine(view.state_json(), {"samples": [], "events": []}, time.time())
+    assert (live.pool_blocks, live.free_blocks, live.running) == (126, 60, 10)
+    assert live.engines.values.tolist() == [["0", 63, 20, 7, 5, 2], ["1", 63, 40, 1, 5, 2]]
+    assert live.tenants.set_index("tenant_id").loc["acme", "held"] == 8  # the whole
+
+
+def test_prometheus_rows_name_each_replicas_ranks():
+    instant = {
+        "engine_pool": [
+            _vector({"instance": "a:8000", "engine": "0"}, 63),
+            _vector({"instance": "a:8000", "engine": "1"}, 63),
+            _vector({"instance": "b:8000", "engine": "0"}, 255),
+        ],
+        "engine_free": [_vector({"instance": "b:8000", "engine": "0"}, 200)],
+        "engine_running": [_vector({"instance": "a:8000", "engine": "1"}, 3)],
+    }
+    live = data.live_from_prometheus(instant, {})
+    assert live.engines[["engine", "pool_blocks", "free_blocks", "running"]].values.tolist() == [
+        ["a:8000/0", 63, 0, 0],
+        ["a:8000/1", 63, 0, 3],
+        ["b:8000/0", 255, 200, 0],
+    ]

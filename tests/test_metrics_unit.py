@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import Message
+from engine.events import Message, RequestDone
 from engine.labels import OTHER, UNCLASSIFIED, TenantLabels
 from exporters.metrics import FAMILIES, TenantMetrics
 from exporters.view import EngineView
@@ -58,6 +58,11 @@ def _stats(prompt=10, cached=4, output=6, reason=1):
     )
 
 
+def _done(tenant, recomputed=0, api_server=0):
+    return RequestDone(0.0, "kvl-" + "0" * 32, tenant, "premium", None, "finished_stopped", 1,
+                       recomputed, 1.0, 10, 5, 0, api_server)  # fmt: skip
+
+
 def _scrape(collector) -> dict:
     registry = CollectorRegistry()
     registry.register(collector)
@@ -100,6 +105,7 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
     metrics = TenantMetrics(view, tiers, TenantLabels())
     metrics.request_finished("acme", "premium", _stats())
     metrics.request_finished(None, None, _stats(reason=2))
+    metrics.engine_event(_done("acme", recomputed=33))
     families, _ = _scrape(metrics)
 
     def value(family, **labels):
@@ -110,7 +116,7 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
                 return s.value
         raise KeyError(labels)
 
-    assert value("vllm_tenant_kv_blocks", tenant_id="acme", state="running") == 3
+    assert value("vllm_tenant_kv_blocks", tenant_id="acme", state="running", engine="0") == 3
     assert value("vllm_tenant_info", tenant_id="acme", tier="premium") == 1
     assert value("vllm_tenant_running_requests") == 4
     assert value("vllm_tenant_waiting_requests", tier="free") == 3

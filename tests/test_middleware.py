@@ -395,3 +395,40 @@ def test_a_bad_session_header_is_a_400_in_openai_shape(app, hs_ring, tiers, valu
     status, doc = _xargs(app, hs_ring, tiers, session_header=value)
     assert status == 400 and doc["error"]["code"] == "invalid_session_id"
     assert "1-128 characters" in doc["error"]["message"]
+
+
+def _rank_header(app):
+    scope = app.app.calls[-1][0]
+    return [v.decode() for k, v in scope["headers"] if k == b"x-data-parallel-rank"]
+
+
+def test_each_session_is_pinned_to_one_data_parallel_rank(config, hs_ring, tiers):
+    import dataclasses
+
+    from engine.affinity import session_rank
+
+    app = TenantMiddleware(Recorder(), dataclasses.replace(config, data_parallel_size=2))
+    seen = {}
+    for _turn in range(2):
+        for session in ("s1", "s2", "s3", "s4", "s5", "s6"):
+            _xargs(app, hs_ring, tiers, session_header=session)
+            rank = _rank_header(app)
+            assert rank == [str(session_rank("acme", session, 2))]
+            assert seen.setdefault(session, rank) == rank  # every turn to the same rank
+    assert {r[0] for r in seen.values()} == {"0", "1"}  # both ranks get sessions
+
+
+def test_sessionless_requests_and_client_rank_headers_are_left_to_vllms_balancer(
+    config, hs_ring, tiers
+):
+    import dataclasses
+
+    app = TenantMiddleware(Recorder(), dataclasses.replace(config, data_parallel_size=2))
+    headers = [bearer(hs_ring, tiers), JSON, ("X-data-parallel-rank", "1")]
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    assert call(app, "/v1/completions", body=body, headers=headers)[0] == 200
+    assert _rank_header(app) == []  # the client's choice is dropped, none is added
+    _xargs(app, hs_ring, tiers, session_header="s1")  # one engine: nothing to pin
+    one = TenantMiddleware(Recorder(), config)
+    _xargs(one, hs_ring, tiers, session_header="s1")
+    assert _rank_header(one) == []

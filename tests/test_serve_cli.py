@@ -102,3 +102,47 @@ def test_serve_refuses_a_bad_budget_file(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f"kvlease serve: error: budgets {bad}: tenants.acme.monthly must be above 0"
     ]
+
+
+def _shape(**given):
+    import argparse
+
+    from server.serve import EXTERNAL_LB_FLAGS
+
+    flags = {f.removeprefix("--").replace("-", "_"): None for f in EXTERNAL_LB_FLAGS}
+    flags |= {"headless": False, "data_parallel_external_lb": False}
+    flags |= {"data_parallel_hybrid_lb": False, "data_parallel_multi_port_external_lb": False}
+    return argparse.Namespace(
+        **(flags | {"data_parallel_size": 1, "api_server_count": None} | given)
+    )
+
+
+def test_data_parallel_defaults_to_an_api_process_per_rank_sharing_one_salt(monkeypatch):
+    from server.middleware import DATA_PARALLEL_ENV, SALT_KEY_ENV
+    from server.serve import scale_out
+
+    monkeypatch.delenv(SALT_KEY_ENV, raising=False)
+    monkeypatch.delenv(DATA_PARALLEL_ENV, raising=False)
+    args = _shape(data_parallel_size=2)
+    assert scale_out(args) == 2 and args.api_server_count == 2
+    assert os.environ[DATA_PARALLEL_ENV] == "2" and len(os.environ[SALT_KEY_ENV]) == 64
+    one = _shape(data_parallel_size=2, api_server_count=1)
+    assert scale_out(one) == 1 and one.api_server_count is None  # vLLM's single-server path
+    monkeypatch.setenv(SALT_KEY_ENV, "k" * 40)
+    scale_out(_shape(api_server_count=3))
+    assert os.environ[SALT_KEY_ENV] == "k" * 40  # an operator's key is kept
+
+
+@pytest.mark.parametrize(
+    "given",
+    [{"headless": True}, {"data_parallel_rank": 0}, {"data_parallel_external_lb": True},
+     {"data_parallel_start_rank": 2}, {"api_server_count": 0}],
+)  # fmt: skip
+def test_load_balancing_kvlease_cannot_keep_sessions_in_is_one_line(monkeypatch, given):
+    from server.middleware import DATA_PARALLEL_ENV, ConfigError
+    from server.serve import scale_out
+
+    monkeypatch.delenv(DATA_PARALLEL_ENV, raising=False)
+    with pytest.raises(ConfigError) as err:
+        scale_out(_shape(data_parallel_size=2, **given))
+    assert "\n" not in str(err.value)

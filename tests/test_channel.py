@@ -1,0 +1,119 @@
+"""The engine -> API channel with several engines and several API processes, and the
+API process's merged view of the ranks: real ZeroMQ sockets, no vLLM."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+
+from engine.channel import Publisher, Receiver, address_for, new_address
+from engine.events import EngineState, Message, RequestDone, Totals
+from exporters.view import EngineView, merge_states
+
+
+def _state(pool=10, free=4, tenants=None, **totals) -> EngineState:
+    base = {key: [] for key in Totals.__struct_fields__[:6]}
+    return msgspec.convert(
+        {
+            "at": time.monotonic(),
+            "pool_blocks": pool,
+            "free_blocks": free,
+            "tenants": tenants or {},
+            "tenant_tiers": {t: "premium" for t in tenants or {}},
+            "leases": [],
+            "leases_total": 0,
+            "lease_summary": {t: {"active": 1, "seconds_left_max": 5.0} for t in tenants or {}},
+            "running": 1,
+            "waiting": 2,
+            "waiting_by_tier": {"free": 2},
+            "events_dropped": 0,
+            "totals": {**base, **totals},
+        },
+        EngineState,
+    )
+
+
+def _done(request: str, api_server: int) -> RequestDone:
+    return RequestDone(0.0, request, "acme", "premium", "s1", "finished_stopped", 0, 0, 1.0,
+                       api_server=api_server)  # fmt: skip
+
+
+def _wait(predicate, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "the channel delivered nothing"
+        time.sleep(0.01)
+
+
+def test_every_api_process_gets_every_ranks_messages():
+    base = new_address()
+    got: list[list[Message]] = [[], []]
+    lock = threading.Lock()
+
+    def keep(i):
+        def on(message):
+            with lock:
+                got[i].append(message)
+
+        return on
+
+    receivers = [Receiver(address_for(base, i), keep(i)) for i in range(2)]
+    ranks = [Publisher([address_for(base, i) for i in range(2)]) for _ in range(2)]
+    try:
+        for rank, publisher in enumerate(ranks):
+            assert publisher.publish(Message([_done(f"r{rank}", rank)], _state(), rank)) == 0
+        _wait(lambda: all(len(g) == 2 for g in got))
+        for messages in got:
+            assert sorted(m.engine for m in messages) == [0, 1]
+    finally:
+        for p in ranks:
+            p.close()
+        for r in receivers:
+            r.close()
+
+
+def test_a_full_api_process_bounds_its_backlog_and_counts_what_it_loses():
+    publisher = Publisher([address_for(new_address(), 0)], capacity=3)  # nobody reads it
+    try:
+        lost = 0
+        for i in range(20_000):  # past ZeroMQ's own queue
+            lost += publisher.publish(Message([_done(f"r{i}", 0)]))
+        assert lost > 0 and sum(n for _, n in publisher._backlogs[0]) <= 3
+    finally:
+        publisher.close()
+
+
+def test_the_whole_is_the_ranks_summed():
+    a = _state(10, 4, {"acme": {"running": 3, "cached_leased": 1, "cached": 0}},
+               block_seconds=[["acme", 2.5]], preemptions=[["acme", "premium", "kv_pressure",
+                                                            "recompute", 1]])  # fmt: skip
+    b = _state(12, 7, {"acme": {"running": 1, "cached_leased": 0, "cached": 2},
+                       "bob": {"running": 2, "cached_leased": 0, "cached": 0}},
+               block_seconds=[["acme", 1.5], ["bob", 1.0]],
+               preemptions=[["acme", "premium", "kv_pressure", "recompute", 2]])  # fmt: skip
+    whole = merge_states([a, b])
+    assert (whole.pool_blocks, whole.free_blocks, whole.running, whole.waiting) == (22, 11, 2, 4)
+    assert msgspec.to_builtins(whole.tenants["acme"]) == {
+        "running": 4,
+        "cached_leased": 1,
+        "cached": 2,
+    }
+    assert sorted(whole.totals.block_seconds) == [("acme", 4.0), ("bob", 1.0)]
+    assert whole.totals.preemptions == [("acme", "premium", "kv_pressure", "recompute", 3)]
+    assert whole.lease_summary["acme"].active == 2 and whole.waiting_by_tier == {"free": 4}
+    assert merge_states([a]) is a
+
+
+def test_only_the_owning_api_process_joins_a_request_but_every_one_shows_it():
+    mine, theirs = EngineView(api_server=0), EngineView(api_server=1)
+    seen: dict[int, list] = {0: [], 1: []}
+    mine.add_listener(seen[0].append)
+    theirs.add_listener(seen[1].append)
+    message = Message([_done("kvl-a", 0), _done("kvl-b", 1)], _state(), engine=1)
+    for view in (mine, theirs):
+        view.apply(message)
+    assert [e.request_id for e in seen[0]] == ["kvl-a"]
+    assert [e.request_id for e in seen[1]] == ["kvl-b"]
+    assert list(mine.engines()) == [1] and mine.state_json()["engines"]["1"]["pool_blocks"] == 10
