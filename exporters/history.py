@@ -3,7 +3,8 @@
 A dashboard opened during an incident must show what led up to it, not only
 what happens from then on. So the API process keeps, from the snapshots and
 events the engine channel already brings:
-- occupancy samples: pool size, free blocks, per-tenant blocks by state and the
+- occupancy samples: pool size, free blocks (also per data-parallel rank), per-tenant
+  blocks by state and the
   cumulative lease reuse per tier (tokens reused, lost) and fair-share service per
   tenant (weighted tokens served, entitled), at most one per `every`
   seconds, for `window` seconds;
@@ -59,7 +60,13 @@ class History:
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._lock = threading.Lock()
 
-    def add_state(self, state: EngineState, wall: float | None = None) -> None:
+    def add_state(
+        self,
+        state: EngineState,
+        wall: float | None = None,
+        engines: dict[int, EngineState] | None = None,
+    ) -> None:
+        """`state` is the whole; `engines` each data-parallel rank's (pool, free) too."""
         wall = time.time() if wall is None else wall
         with self._lock:
             if self._samples and wall - self._samples[-1]["t"] < self.every:
@@ -76,6 +83,10 @@ class History:
                     },
                     "lease_reuse": _lease_reuse(state),
                     "fair_share": _fair_share(state),
+                    "engines": {
+                        str(rank): [e.pool_blocks, e.free_blocks]
+                        for rank, e in (engines or {}).items()
+                    },
                 }
             )
 

@@ -133,9 +133,9 @@ class EngineView:
             listeners = list(self._listeners)
             if message.state is not None:
                 self._states[message.engine] = message.state
-                whole = merge_states([self._states[r] for r in sorted(self._states)])
+                engines = {r: self._states[r] for r in sorted(self._states)}
         if message.state is not None:
-            self.history.add_state(whole)
+            self.history.add_state(merge_states(list(engines.values())), engines=engines)
         for event in message.events:
             self.history.add_event(event, message.engine)
             if getattr(event, "api_server", self.api_server) != self.api_server:

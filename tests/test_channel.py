@@ -9,7 +9,7 @@ import time
 import msgspec
 
 from engine.channel import Publisher, Receiver, address_for, new_address
-from engine.events import EngineState, Message, RequestDone, Totals
+from engine.events import EngineState, Message, Preemption, RequestDone, Totals
 from exporters.view import EngineView, merge_states
 
 
@@ -117,3 +117,12 @@ def test_only_the_owning_api_process_joins_a_request_but_every_one_shows_it():
     assert [e.request_id for e in seen[0]] == ["kvl-a"]
     assert [e.request_id for e in seen[1]] == ["kvl-b"]
     assert list(mine.engines()) == [1] and mine.state_json()["engines"]["1"]["pool_blocks"] == 10
+    mine.history.every = 0  # keep every sample
+    mine.apply(Message(state=_state(pool=12, free=7), engine=0))
+    sample = mine.history.since(60)["samples"][-1]
+    assert sample["engines"] == {"0": [12, 7], "1": [10, 4]}
+    assert (sample["pool_blocks"], sample["free_blocks"]) == (22, 11)  # the whole
+    preempted = Preemption(time.monotonic(), "kvl-c", "acme", "free", None, "kv_pressure",
+                           "recompute", 3, 64, 1)  # fmt: skip
+    mine.apply(Message([preempted], engine=1))
+    assert [e["engine"] for e in mine.history.since(60)["events"]] == [1]

@@ -45,17 +45,21 @@ def fleet(demo_model, kvlease_home, tmp_path_factory, postgres_url):
     (folder / "budgets.toml").write_text(BUDGETS)
     common = ["--usage-db", db, "--budgets", str(folder / "budgets.toml")]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        a = pool.submit(
-            kvlease_serve, kvlease_home, folder / "a.log", "--data-parallel-size", "2", *common
-        )
-        b = pool.submit(kvlease_serve, kvlease_home, folder / "b.log", *common)
-        a, b = a.result(), b.result()
+        started = [
+            pool.submit(
+                kvlease_serve, kvlease_home, folder / "a.log", "--data-parallel-size", "2", *common
+            ),
+            pool.submit(kvlease_serve, kvlease_home, folder / "b.log", *common),
+        ]
+    replicas = [f.result() for f in started if f.exception() is None]
     try:
+        assert len(replicas) == 2, [str(f.exception()) for f in started if f.exception()]
+        a, b = replicas
         targets = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
         with prometheus(targets, folder) as prom:
             yield a, b, prom, db
     finally:
-        for replica in (a, b):
+        for replica in replicas:  # one that started is stopped, even if the other did not
             replica.stop(signal.SIGKILL)
 
 
