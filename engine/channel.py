@@ -1,8 +1,8 @@
 """The channel from vLLM's EngineCore process to the API server process.
 
 kvlease's scheduler runs in the EngineCore process; `/admin/state`, metrics,
-spans and the ledger live in the API process. The channel is a ZeroMQ
-PUSH/PULL pair over an ipc socket (pyzmq is already a vLLM dependency):
+spans and the ledger live in the API process (or processes). The channel is
+ZeroMQ PUSH/PULL sockets over ipc (pyzmq is already a vLLM dependency):
 
 - Each API process binds a PULL socket at `address_for($KVLEASE_CHANNEL, i)`, i its
   index among vLLM's API processes (`--api-server-count`; 0 when there is one).
@@ -59,7 +59,7 @@ class Publisher:
 
     Invariant: each socket's backlog holds at most `capacity` events (messages that
     socket refused, oldest first). `publish` encodes a message once and costs one
-    non-blocking send per API process.
+    non-blocking send per API process that keeps up; O(backlog) for one that does not.
     """
 
     def __init__(self, addresses: list[str], capacity: int = 65536) -> None:
