@@ -47,7 +47,13 @@ def fleet(demo_model, kvlease_home, tmp_path_factory, postgres_url):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         started = [
             pool.submit(
-                kvlease_serve, kvlease_home, folder / "a.log", "--data-parallel-size", "2", *common
+                kvlease_serve,
+                kvlease_home,
+                folder / "a.log",
+                "--data-parallel-size",
+                "2",
+                "--metrics-auth",  # its API processes' /metrics behind the metrics role
+                *common,
             ),
             pool.submit(kvlease_serve, kvlease_home, folder / "b.log", *common),
         ]
@@ -56,7 +62,8 @@ def fleet(demo_model, kvlease_home, tmp_path_factory, postgres_url):
         assert len(replicas) == 2, [str(f.exception()) for f in started if f.exception()]
         a, b = replicas
         targets = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
-        with prometheus(targets, folder) as prom:
+        scraper = a.token("prometheus", roles=["metrics"])
+        with prometheus(targets, folder, bearer=scraper) as prom:
             yield a, b, prom, db
     finally:
         for replica in replicas:  # one that started is stopped, even if the other did not
@@ -81,7 +88,8 @@ def _complete(server, tenant, prompt, tier="premium", session=None, max_tokens=8
 
 
 def _families(server) -> dict:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    headers = server.headers("prometheus", roles=["metrics"])  # A asks for it; B is public
+    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
@@ -188,6 +196,7 @@ def test_one_scrape_counts_every_api_process_once(fleet):
     a, _, _, _ = fleet
     for i in range(12):  # a connection each: the kernel spreads them over the processes
         _complete(a, "count-co", f"count me {i}", tier="free")
+    assert httpx.get(f"{a.url}/metrics", timeout=10).status_code == 401  # --metrics-auth
     for _ in range(6):  # whichever process answers, the same totals
         own = _own(a, REQUESTS.family, tenant_id="count-co", outcome="completed")
         assert own == {("count-co", "completed"): 12}
