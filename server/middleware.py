@@ -63,9 +63,8 @@ logger = logging.getLogger("kvlease.server")
 SALT_KEY_ENV = "KVLEASE_CACHE_SALT_KEY"
 MAX_BODY_ENV = "KVLEASE_MAX_BODY_BYTES"
 METRICS_AUTH_ENV = "KVLEASE_METRICS_AUTH"
-DATA_PARALLEL_ENV = (
-    "KVLEASE_DATA_PARALLEL_SIZE"  # vLLM's --data-parallel-size; kvlease serve sets it
-)
+# vLLM's --data-parallel-size, which `kvlease serve` copies here: the ranks to pin over.
+DATA_PARALLEL_ENV = "KVLEASE_DATA_PARALLEL_SIZE"
 METRICS_ROLES = frozenset({"metrics", "admin"})
 PUBLIC_PREFIXES = ("/metrics/",)  # vLLM mounts its Prometheus app at /metrics
 PUBLIC_PATHS = frozenset(

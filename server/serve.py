@@ -14,7 +14,10 @@ one-line error, exit 2), then runs vLLM's launcher functions (`setup_server`,
 - the `kvlease_admin` endpoint plugin allow-listed in `VLLM_PLUGINS`,
 - a fresh engine->API channel address in `KVLEASE_CHANNEL`,
 - `--enable-prompt-tokens-details` (cached tokens in usage) and a drain
-  deadline for SIGTERM (`--shutdown-timeout`, 30 s unless given).
+  deadline for SIGTERM (`--shutdown-timeout`, 30 s unless given);
+- for `--data-parallel-size` / `--api-server-count` (`scale_out`): the rank count
+  the middleware pins sessions over, one salt key for every API process, and
+  vLLM's own multi-process launcher when there is more than one.
 
 vLLM binds the port before the ~30 s engine start but serves nothing until
 the engine is up; kvlease answers 503 (OpenAI error shape) meanwhile.
