@@ -295,20 +295,14 @@ class ProcessMetrics:
     )
 
     def __init__(self) -> None:
-        def counter(f: Family) -> PromCounter:
-            return PromCounter(f.family, f.help, f.labels, registry=None)
-
-        def histogram(f: Family) -> Histogram:
-            return Histogram(f.name, f.help, f.labels, buckets=LATENCY_BUCKETS, registry=None)
-
-        self.tokens, self.requests = counter(TOKENS), counter(REQUESTS)
-        self.ttft, self.e2e = histogram(TTFT), histogram(E2E)
-        self.ledger_records, self.ledger_errors = counter(LEDGER_RECORDS), counter(LEDGER_ERRORS)
-        self.dead_letters = counter(LEDGER_DEAD_LETTERS)
-        self.join_overflows = counter(JOIN_OVERFLOWS)
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in (
+        made = {
+            f: Histogram(f.name, f.help, f.labels, buckets=LATENCY_BUCKETS, registry=None)
+            if f.kind == "histogram"
+            else PromCounter(f.family, f.help, f.labels, registry=None)
+            for f in self.FAMILIES
+        }
+        self._all = [made[f] for f in self.FAMILIES]
+        (
             self.tokens,
             self.requests,
             self.ttft,
@@ -317,7 +311,10 @@ class ProcessMetrics:
             self.ledger_errors,
             self.dead_letters,
             self.join_overflows,
-        ):
+        ) = self._all  # in FAMILIES' order
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._all:
             yield from metric.collect()
 
 
