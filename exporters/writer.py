@@ -87,7 +87,6 @@ class LedgerWriter:
         self.batch = batch
         self.dead_letter_path = dead_letter_path or kvlease_home() / DEAD_LETTER_FILE
         self.write_errors = 0
-        self.written = 0
         self.dead_letters = 0
         self.metrics = metrics or ProcessMetrics()  # the same counts, for /metrics
         self._queue: queue.Queue[UsageRecord | None] = queue.Queue()
@@ -149,7 +148,6 @@ class LedgerWriter:
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        self.written += len(batch)
         self.metrics.ledger_records.inc(len(batch))
         with self._lock:
             for record in batch:
