@@ -93,6 +93,11 @@ class Publisher:
             dropped = max(dropped, lost)
         return dropped
 
+    @property
+    def backlogged(self) -> bool:
+        """An API process has messages waiting, for the next step to send."""
+        return any(self._backlogs)
+
     def close(self) -> None:
         for socket in self._sockets:
             socket.close()

@@ -548,7 +548,7 @@ class TenantSchedulingMixin:
         just sampled, an abort between steps has not.
         """
         events = self.events.drain()
-        if not (events or with_state):
+        if not (events or with_state or self._publisher.backlogged):
             return
         message = Message(events, self.state(sample=fresh) if with_state else None, self._rank)
         self.events.dropped += self._publisher.publish(message)
