@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.accounting import LEASE_OUTCOMES
 from engine.events import EngineState, Eviction, Preemption
+from exporters.ranks import merge_states
 
 Label = Callable[[str | None], str]
 
@@ -60,17 +61,14 @@ class History:
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._lock = threading.Lock()
 
-    def add_state(
-        self,
-        state: EngineState,
-        wall: float | None = None,
-        engines: dict[int, EngineState] | None = None,
-    ) -> None:
-        """`state` is the whole; `engines` each data-parallel rank's (pool, free) too."""
+    def add_state(self, engines: dict[int, EngineState], wall: float | None = None) -> None:
+        """Each data-parallel rank's latest state: a sample keeps their whole and each
+        rank's pool and free blocks (merged only when a sample is kept)."""
         wall = time.time() if wall is None else wall
         with self._lock:
             if self._samples and wall - self._samples[-1]["t"] < self.every:
                 return
+            state = merge_states(list(engines.values()))
             self._samples.append(
                 {
                     "t": wall,
@@ -84,8 +82,7 @@ class History:
                     "lease_reuse": _lease_reuse(state),
                     "fair_share": _fair_share(state),
                     "engines": {
-                        str(rank): [e.pool_blocks, e.free_blocks]
-                        for rank, e in (engines or {}).items()
+                        str(rank): [e.pool_blocks, e.free_blocks] for rank, e in engines.items()
                     },
                 }
             )

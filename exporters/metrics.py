@@ -34,7 +34,8 @@ from engine.events import EngineState, RequestDone, TenantHolding
 from engine.labels import UNCLASSIFIED, TenantLabels
 from engine.tenancy import TierTable
 from exporters.join import finish_outcome
-from exporters.view import EngineView, merge_states
+from exporters.ranks import merge_states
+from exporters.view import EngineView
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; vLLM sets it
 

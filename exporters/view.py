@@ -1,8 +1,8 @@
 """The API process's view of the engines: the latest snapshot of each, plus listeners.
 
 The channel's receiver thread applies each `engine.events.Message` from an
-EngineCore (one per data-parallel rank); routes read `snapshot()` (the whole:
-every rank summed) or `engines()` (each rank), `state_json()` and `history`,
+EngineCore (one per data-parallel rank); routes read `engines()` (each rank),
+`state_json()` (the whole, every rank summed, and each rank) and `history`,
 and the request join registers a listener that sees every event of the
 requests this API process owns once.
 """
@@ -14,15 +14,16 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from engine.channel import ADDRESS_ENV, Receiver, address_for
-from engine.events import EngineState, Event, LeaseSummary, Message, TenantHolding, Totals
+from engine.events import EngineState, Event, Message
 from engine.labels import TenantLabels
 from exporters.history import History
+from exporters.ranks import merge_states
 
 Listener = Callable[[Event], None]
 _API_PROCESS = re.compile(r"ApiServer_(\d+)")
@@ -35,66 +36,6 @@ def api_server_index() -> int:
     process is 0."""
     match = _API_PROCESS.fullmatch(multiprocessing.current_process().name)
     return int(match.group(1)) if match else 0
-
-
-def _sum_rows(rows: Iterable[tuple], values: int = 1) -> list[tuple]:
-    """Rows (key..., value...) with equal keys summed: ranks' cumulative totals."""
-    out: dict[tuple, list] = {}
-    for row in rows:
-        key, vals = row[:-values], row[-values:]
-        acc = out.setdefault(key, [0] * values)
-        for i, v in enumerate(vals):
-            acc[i] += v
-    return [(*k, *v) for k, v in out.items()]
-
-
-def merge_states(states: list[EngineState]) -> EngineState:
-    """The whole of several data-parallel ranks: blocks, requests, leases and every
-    cumulative total summed; the snapshot time is the oldest rank's. One rank is itself."""
-    if len(states) == 1:
-        return states[0]
-    tenants: dict[str, TenantHolding] = {}
-    summary: dict[str, LeaseSummary] = {}
-    waiting: dict[str, int] = {}
-    for s in states:
-        for tenant, h in s.tenants.items():
-            t = tenants.setdefault(tenant, TenantHolding())
-            t.running, t.cached_leased, t.cached = (
-                t.running + h.running,
-                t.cached_leased + h.cached_leased,
-                t.cached + h.cached,
-            )
-        for tenant, lease in s.lease_summary.items():
-            m = summary.setdefault(tenant, LeaseSummary())
-            m.active += lease.active
-            m.seconds_left_max = max(m.seconds_left_max, lease.seconds_left_max)
-        for tier, n in s.waiting_by_tier.items():
-            waiting[tier] = waiting.get(tier, 0) + n
-    totals = [s.totals for s in states]
-    return EngineState(
-        at=min(s.at for s in states),
-        pool_blocks=sum(s.pool_blocks for s in states),
-        free_blocks=sum(s.free_blocks for s in states),
-        tenants=tenants,
-        tenant_tiers={k: v for s in states for k, v in s.tenant_tiers.items()},
-        leases=[lease for s in states for lease in s.leases],
-        leases_total=sum(s.leases_total for s in states),
-        lease_summary=summary,
-        running=sum(s.running for s in states),
-        waiting=sum(s.waiting for s in states),
-        waiting_by_tier=waiting,
-        events_dropped=sum(s.events_dropped for s in states),
-        totals=Totals(
-            **{
-                field: _sum_rows(
-                    (row for t in totals for row in getattr(t, field)),
-                    2 if field == "fair_share_tokens" else 1,
-                )
-                for field in Totals.__struct_fields__
-            }
-        ),
-        fair_share=[row for s in states for row in s.fair_share],
-    )
 
 
 def _leases_now(state: EngineState, now: float) -> EngineState:
@@ -111,7 +52,7 @@ def _leases_now(state: EngineState, now: float) -> EngineState:
 
 
 class EngineView:
-    """Holds one snapshot per engine rank (O(ranks) memory); `snapshot()` merges them
+    """Holds one snapshot per engine rank (O(ranks) memory); `state_json()` merges them
     on each call, O(ranks x tenants)."""
 
     def __init__(self, labels: TenantLabels | None = None, api_server: int = 0) -> None:
@@ -135,7 +76,7 @@ class EngineView:
                 self._states[message.engine] = message.state
                 engines = {r: self._states[r] for r in sorted(self._states)}
         if message.state is not None:
-            self.history.add_state(merge_states(list(engines.values())), engines=engines)
+            self.history.add_state(engines)
         for event in message.events:
             self.history.add_event(event, message.engine)
             if getattr(event, "api_server", self.api_server) != self.api_server:
@@ -150,13 +91,10 @@ class EngineView:
         now = time.monotonic()
         return {rank: _leases_now(states[rank], now) for rank in sorted(states)}
 
-    def snapshot(self) -> EngineState | None:
-        """The whole (every rank summed), lease time left recounted for now."""
+    def has_state(self) -> bool:
+        """Some engine has sent its state (the engine is up)."""
         with self._lock:
-            states = [self._states[r] for r in sorted(self._states)]
-        if not states:
-            return None
-        return _leases_now(merge_states(states), time.monotonic())
+            return bool(self._states)
 
     def state_json(self) -> dict[str, Any] | None:
         """`/admin/state`: the whole, its age and the message count, and under `engines`

@@ -152,7 +152,7 @@ async def usage_json(request: Request) -> Any:
 
 async def ready(request: Request) -> Any:
     """200 once the engine serves (vLLM serves routes only after the engine is up)."""
-    return {"status": "ready", "engine_state": TELEMETRY.view.snapshot() is not None}
+    return {"status": "ready", "engine_state": TELEMETRY.view.has_state()}
 
 
 class KvleaseAdminPlugin:

@@ -10,7 +10,8 @@ import msgspec
 
 from engine.channel import Publisher, Receiver, address_for, new_address
 from engine.events import EngineState, Message, Preemption, RequestDone, Totals
-from exporters.view import EngineView, merge_states
+from exporters.ranks import merge_states
+from exporters.view import EngineView
 
 
 def _state(pool=10, free=4, tenants=None, **totals) -> EngineState:

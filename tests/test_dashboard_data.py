@@ -48,7 +48,7 @@ def _history(state: dict, label=None) -> History:
     history = History(label or TenantLabels(), window=600, every=1.0)
     now = time.time()
     for i in range(5):
-        history.add_state(_typed(state), wall=now - 100 + i * 10)
+        history.add_state({0: _typed(state)}, wall=now - 100 + i * 10)
     mono = time.monotonic()
     history.add_event(_preemption(mono - 30, "bob", "admit_higher_tier", 4))
     history.add_event(Eviction(mono - 20, "bob", "free", leased=False, blocks=3))
@@ -60,7 +60,7 @@ def test_history_keeps_one_sample_per_interval_and_only_the_window():
     history = History(TenantLabels(), window=10, every=1.0)
     state = _typed(_state(acme=(3, 2, 1), idle=(0, 0, 0)))
     for i in range(40):
-        history.add_state(state, wall=NOW + i * 0.5)  # two snapshots per second
+        history.add_state({0: state}, wall=NOW + i * 0.5)  # two snapshots per second
     kept = history.since(600, now=NOW + 20)["samples"]
     assert len(kept) == 10  # the window, at one per second
     assert [s["t"] for s in kept] == [NOW + 10 + i for i in range(10)]
@@ -113,7 +113,7 @@ def _reuse_history(totals: list[list]) -> dict:
     for i, reuse in enumerate(totals):
         state = _typed(_state())
         state.totals.lease_reuse_tokens = reuse
-        history.add_state(state, wall=now - 100 + 10 * i)
+        history.add_state({0: state}, wall=now - 100 + 10 * i)
     return history.since(600)
 
 
@@ -156,7 +156,7 @@ def test_the_fair_share_view_ranks_tenants_kept_under_their_share_first():
     for i, books in enumerate(steps):
         state = _typed(_state())
         state.totals.fair_share_tokens = [(t, "free", s, e) for t, (s, e) in books.items()]
-        history.add_state(state, wall=now - 100 + 10 * i)
+        history.add_state({0: state}, wall=now - 100 + 10 * i)
     live = data.live_from_engine(_state(), history.since(600), now)
     table = data.fair_share_table(live.fair_share, pd.Timestamp(now, unit="s", tz="UTC"))
     assert table["tenant_id"].tolist() == ["light", "heavy"]  # under its share first
