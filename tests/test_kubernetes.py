@@ -49,6 +49,11 @@ def _one(manifests, kind, name=None) -> dict:
     return found[0]
 
 
+def _generated_config_map(manifests, name) -> dict:
+    """A configMapGenerator's map: kustomize names it `name-<hash of its data>`."""
+    return _one([m for m in manifests if m["metadata"]["name"].startswith(name + "-")], "ConfigMap")
+
+
 def _crd_errors(docs: list[dict]) -> list[dict]:
     assert (NODE_MODULES / "@kubernetes-models").is_dir(), "make test installs the npm schemas"
     result = subprocess.run(
@@ -135,7 +140,7 @@ def test_replicas_ask_for_a_gpu_and_take_keys_and_the_ledger_from_secrets(manife
 
 
 def test_the_config_maps_hold_a_valid_tier_table_and_budget_file(manifests, tmp_path):
-    config = next(m for m in manifests if m["metadata"]["name"].startswith("kvlease-config"))
+    config = _generated_config_map(manifests, "kvlease-config")
     (tmp_path / "tiers.toml").write_text(config["data"]["tiers.toml"])
     (tmp_path / "budgets.toml").write_text(config["data"]["budgets.toml"])
     TierTable.load(tmp_path / "tiers.toml")
@@ -146,10 +151,7 @@ def test_the_config_maps_hold_a_valid_tier_table_and_budget_file(manifests, tmp_
 
 
 def test_the_endpoint_picker_binds_sessions_by_kvleases_session_header(manifests):
-    config = next(
-        m for m in manifests if m["metadata"]["name"].startswith("kvlease-endpoint-picker")
-        and m["kind"] == "ConfigMap"
-    )  # fmt: skip
+    config = _generated_config_map(manifests, "kvlease-endpoint-picker")
     picker = yaml.safe_load(config["data"]["config.yaml"])
     plugins = {p.get("name", p["type"]): p for p in picker["plugins"]}
     producer = plugins["kvlease-session"]
@@ -160,14 +162,9 @@ def test_the_endpoint_picker_binds_sessions_by_kvleases_session_header(manifests
     for profile in picker["schedulingProfiles"]:
         assert {p["pluginRef"] for p in profile["plugins"]} <= plugins.keys()
     ttl_minutes = int(producer["parameters"]["ttl"].removesuffix("m"))
-    tiers = tomllib.loads(config_tiers(manifests))
+    tiers = tomllib.loads(_generated_config_map(manifests, "kvlease-config")["data"]["tiers.toml"])
     longest = max(t.get("lease_seconds", 0) for t in tiers["tiers"].values())
     assert ttl_minutes * 60 >= longest  # a binding outlives every lease
-
-
-def config_tiers(manifests) -> str:
-    config = next(m for m in manifests if m["metadata"]["name"].startswith("kvlease-config"))
-    return config["data"]["tiers.toml"]
 
 
 def test_dashboards_and_alert_rules_are_the_generated_ones():
