@@ -4,7 +4,7 @@
     python -m bench.overhead --quick    # fewer timed steps (smoke test)
 
 Both are real vLLM schedulers built as the engine builds them
-(bench/synthetic.py) and fed a synthetic model output each step, so only
+(replay/synthetic.py) and fed a synthetic model output each step, so only
 scheduling is timed: one `schedule()` plus `update_from_output()`. Each
 request has a 60-token prompt and 64 output tokens; whenever requests finish,
 as many new ones arrive (outside the timed part), so the engine stays in a
@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.synthetic import BLOCK, make_request, make_scheduler, step
 from demo.workload import TIERS
 from engine.tenancy import TierTable
+from replay.synthetic import BLOCK, make_request, make_scheduler, step
 
 SIZES = (64, 256, 1024)
 RESULTS = Path(__file__).parent / "results"
@@ -91,7 +91,7 @@ def time_steps(load: Load, steps: int) -> tuple[float, float]:
     scheduled, seconds = 0, 0.0
     for _ in range(steps):
         started = time.perf_counter()
-        out = step(load.scheduler)
+        out, _ = step(load.scheduler)
         seconds += time.perf_counter() - started
         scheduled += len(out.num_scheduled_tokens)
         load.top_up()

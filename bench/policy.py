@@ -39,9 +39,10 @@ from typing import Any
 
 from bench import report
 from bench.inprocess import BLOCK_SIZE, Engine, Observations, Telemetry, start_engine
-from bench.workload import Arrival, StepTrace, load
+from bench.workload import load
 from demo.workload import TIERS, Turn
 from engine.tenancy import TierTable
+from replay.sessions import Arrival, StepTrace
 
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
 MAX_CONTEXT = 1400  # a session ends before its context passes this (or max_model_len)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from bench.report import percentile, stats
-from bench.workload import QUICK_SPEC, StepTrace
+from bench.workload import QUICK_SPEC
 from demo.workload import Turn, generate
+from replay.sessions import StepTrace
 
 
 def _session(*turns: tuple[float, int, int]) -> list[Turn]:

@@ -11,10 +11,10 @@ import pytest
 from clocks import ManualClock, OffsetClock
 from engines import recording
 
-from bench.synthetic import make_request, make_scheduler, step
 from engine.events import TenantHolding
 from engine.fairness import INPUT_COST, OUTPUT_COST
 from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
+from replay.synthetic import make_request, make_scheduler, step
 
 TIERS = ("premium", "standard", "free")
 CLASSES = [TenantAwareScheduler, TenantAwareAsyncScheduler]
@@ -82,7 +82,7 @@ def test_victim_within_a_tenant_follows_the_configured_rule(rule, first_victim, 
     step(scheduler)
     vip = make_request("vip", "premium", 400, 10, arrival=3.0)  # 13 blocks: 11 are free
     scheduler.add_request(vip)
-    out = step(scheduler)
+    out, _ = step(scheduler)
     [first, *_] = [e for e in scheduler.events.drain() if type(e).__name__ == "Preemption"]
     names = {old_long.request_id: "old-long", new_short.request_id: "new-short"}
     assert (names[first.request_id], first.reason) == (first_victim, "admit_higher_tier")

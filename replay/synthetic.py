@@ -1,8 +1,10 @@
 """A vLLM scheduler driven without a model: real Scheduler code, synthetic outputs.
 
-Used by tests to drive both scheduler classes (sync and async) in milliseconds and
-to check invariants at every step, and by bench/overhead.py to time `schedule()`
-against stock. Each sampled token is token id 7.
+The offline engine of `kvlease replay`, and the fourth of kvlease's modules that
+import vLLM (tests/test_layers.py names them all). Also used by tests to drive
+both scheduler classes (sync and async) in milliseconds and to check invariants
+at every step, and by bench/overhead.py to time `schedule()` against stock.
+Each sampled token is token id 7.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def make_scheduler(
     model: str,
     num_blocks: int,
     max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
     kvlease: dict | None = None,
     async_scheduling: bool = False,
     max_model_len: int | None = None,
@@ -46,7 +49,7 @@ def make_scheduler(
         enable_prefix_caching=True,
         num_gpu_blocks_override=num_blocks,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=2048,
+        max_num_batched_tokens=max_num_batched_tokens,
         additional_config={"kvlease": kvlease or {}},
     )
     vllm_config = args.create_engine_config()
@@ -76,7 +79,11 @@ def make_request(
     session: str | None = None,
     arrival: float | None = None,
     prompt: list[int] | None = None,
+    request_id: str | None = None,
+    salt: str | None = None,
 ) -> Request:
+    """An engine request as the middleware would send it: tenant fields in `extra_args`
+    and a cache salt per tenant (`salt`, default the tenant id)."""
     extra = {}
     if tenant is not None:
         extra = {"tenant_id": tenant, "tier": tier}
@@ -84,29 +91,35 @@ def make_request(
             extra["session_id"] = session
     n = next(_ids)
     return Request(
-        request_id=f"r{n}",
+        request_id=request_id or f"r{n}",
         prompt_token_ids=prompt or [(n * 31 + i) % 600 + 10 for i in range(prompt_len)],
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
         pooling_params=None,
         arrival_time=arrival,
-        cache_salt=tenant,
+        cache_salt=salt or tenant,
         block_hasher=get_request_block_hasher(BLOCK, sha256),
     )
 
 
-def step(scheduler: Any) -> Any:
-    """One engine step: schedule, then feed a token for each request that finished prefill."""
-    out = scheduler.schedule()
+def step(scheduler: Any, out: Any = None, stride: int = 1) -> Any:
+    """One engine step: schedule (unless `out`, an output already scheduled, is given),
+    then feed `stride` tokens to each request that finished its prefill. Returns vLLM's
+    scheduler output and the outputs per client (`update_from_output`'s).
+
+    A stride above one stands for that many decode steps in one call: each request's
+    tokens are computed together at its next scheduling, as speculative decoding's
+    accepted tokens are. The caller keeps it exact (`replay.simulate`)."""
+    out = scheduler.schedule() if out is None else out
     req_ids = list(out.num_scheduled_tokens)
     sampled = []
     for rid in req_ids:
         request = scheduler.requests[rid]
         done_prefill = request.num_computed_tokens >= request.num_tokens
-        sampled.append([7] if done_prefill else [])
+        left = request.max_tokens - request.num_output_tokens
+        sampled.append([7] * min(stride, left) if done_prefill else [])
     runner_output = ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
         sampled_token_ids=sampled,
     )
-    scheduler.update_from_output(out, runner_output)
-    return out
+    return out, scheduler.update_from_output(out, runner_output)
