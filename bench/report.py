@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from replay.report import percentile
+
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
@@ -25,15 +27,6 @@ def machine() -> str:
 
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile: an observed value, never an interpolation."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
 
 
 def stats(values: Sequence[float]) -> dict[str, float]:

@@ -192,3 +192,25 @@ def over_time(series: pd.DataFrame, unit: str, by: str) -> go.Figure:
     )
     fig.update_layout(height=380, barmode="stack")
     return fig
+
+
+WHAT_IF_COLORS = {"current": "#9aa0a6", "proposed": "#6f42c1"}
+
+
+def what_if_bars(frame: pd.DataFrame, key: str, title: str) -> go.Figure:
+    """One figure of a replay's report (dashboard.whatif.tier_frame), current beside
+    proposed for each tier."""
+    if frame.empty or key not in frame or frame[key].isna().all():
+        return _empty(title, "No request of any tier has this figure.")
+    fig = px.bar(
+        frame,
+        x="tier",
+        y=key,
+        color="side",
+        barmode="group",
+        title=title,
+        color_discrete_map=WHAT_IF_COLORS,
+        labels={key: title, "side": ""},
+    )
+    fig.update_layout(height=300)
+    return fig

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from engine.auth import AuthSettings, KeyConfigError, KeyRing, mint_token
 from engine.runtime import DependencyError, VllmVersionError
 from engine.tenancy import TierConfigError, TierTable
+from replay.command import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -109,6 +110,54 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     gbuild.add_argument("--out", default=None, help="folder (default: grafana/dashboards)")
     _add_tiers_arg(gbuild)
+
+    replay = sub.add_parser(
+        "replay",
+        help="what if: recorded traffic against a proposed tier table or pool, offline",
+        description="Replay a ledger window (--usage-db, --from, --to) or a trace CSV "
+        "(timestamp, tenant, session, input_tokens, output_tokens[, tier]) through vLLM's "
+        "scheduler with kvlease's, on a step clock, twice: under the tier table in force "
+        "(current) and under --tiers / --assign / --pool-blocks (proposed). Prints both "
+        "side by side; bad input is one line on stderr and exit status 2.",
+    )
+    source = replay.add_mutually_exclusive_group(required=True)
+    source.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
+    source.add_argument("--trace", default=None, help="trace CSV instead of the ledger")
+    replay.add_argument("--from", dest="start", default=None, help="window start (UTC date)")
+    replay.add_argument("--to", dest="end", default=None, help="window end, exclusive")
+    replay.add_argument("--tiers", default=None, help="the proposed tier table (TOML)")
+    replay.add_argument(
+        "--against",
+        default="current",
+        help="the table to compare with: current (the one in force) or a TOML path",
+    )
+    replay.add_argument("--assign", default=None, help='TOML [tenants] name = "tier"')
+    pool = replay.add_mutually_exclusive_group()
+    pool.add_argument("--pool-blocks", type=int, default=None, help="proposed pool (64)")
+    pool.add_argument("--kv-gib", type=float, default=None, help="proposed KV memory, GiB")
+    replay.add_argument("--model-config", default=None, help="config.json for --kv-gib")
+    replay.add_argument(
+        "--current-pool-blocks", type=int, default=None, help="current pool (the proposed one)"
+    )
+    replay.add_argument("--speed", type=float, default=1.0, help="traffic x this rate (1.0)")
+    clock = replay.add_mutually_exclusive_group()
+    clock.add_argument(
+        "--step-cost",
+        default=None,
+        help="seconds per step as BASE,PREFILL_TOKEN,DECODE_REQUEST, or cpu-demo (default)",
+    )
+    clock.add_argument(
+        "--steps-per-second", type=float, default=None, help="a fixed step clock instead"
+    )
+    for flag, default in (
+        ("--max-num-seqs", MAX_NUM_SEQS),
+        ("--max-num-batched-tokens", MAX_NUM_BATCHED_TOKENS),
+    ):
+        replay.add_argument(flag, type=int, default=default, help=f"vLLM's ({default})")
+    replay.add_argument("--json", default=None, help="write the report as JSON here")
+    replay.add_argument("-o", "--output", default=None, help="write an HTML report here")
+    replay.add_argument("--quiet", action="store_true", help="no table, no progress bar")
+    replay.add_argument("--model", default=None, help="model folder (default: demo model)")
 
     demo = sub.add_parser(
         "demo",
@@ -259,6 +308,50 @@ def _grafana_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from replay import command
+
+    plan = command.plan(args)
+    total = sum(len(side.turns) for side in plan.sides)
+    for note in plan.notes:
+        print(f"kvlease replay: {note}", file=sys.stderr)
+    if args.quiet:
+        report = command.run(plan)
+    else:
+        from tqdm import tqdm
+
+        with tqdm(total=total, unit="req", desc="replay", file=sys.stderr) as bar:
+            report = command.run(plan, progress=bar.update)
+    for path, text in (
+        (args.json, lambda: json.dumps(report, indent=2) + "\n"),
+        (args.output, lambda: _html(report)),
+    ):
+        if path:
+            try:
+                Path(path).write_text(text(), encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(f"cannot write {path}: {exc.strerror}") from None
+    if not args.quiet:
+        from rich.console import Console
+
+        from replay.render import terminal
+
+        console = Console()
+        if not console.is_terminal:
+            console.width = 140  # a file or a pipe: the whole table, not 80 columns of it
+        console.print(terminal(report))
+    return 0
+
+
+def _html(report: dict) -> str:
+    from replay.render import page
+
+    return page(report)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # every flag kvlease does not own goes to vLLM's parser
@@ -273,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _usage(args)
         if args.command == "grafana":
             return _grafana_build(args)
+        if args.command == "replay":
+            return _replay(args)
         if args.command == "dashboard":
             from dashboard.launch import run_dashboard
 

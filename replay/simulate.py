@@ -1,0 +1,246 @@
+"""One replay: a trace's turns through the real vLLM scheduler and kvlease's, offline.
+
+The engine is `replay.synthetic`'s: vLLM's own `Scheduler` with kvlease's
+mixin, as `kvlease serve` builds it, fed a synthetic model output each step.
+Time is a step clock (`replay.clock.StepCost`): each step advances it by what
+such a step costs. kvlease's lease clock, block-seconds and the arrivals follow
+it, and an idle engine jumps to the next arrival.
+
+Steady decoding is replayed in strides. When nothing waits, every running request
+is decoding, none finishes and none could need a block a lease holds before the
+next arrival, the next k steps are all alike: one call samples k tokens per
+request and the clock moves k steps. Those steps decide nothing, so a stride
+changes no figure (tests/test_replay.py checks it against stride 1); it is what
+makes a week of traffic take minutes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from demo.workload import Turn
+from engine.tenancy import TierTable
+from replay.clock import StepCost
+from replay.sessions import Arrival, StepTrace
+from replay.synthetic import BLOCK, make_request, make_scheduler, step
+
+MAX_STRIDE = 64
+MAX_CONTEXT = 1400  # as bench/policy.py: a session ends before its context passes this
+
+
+@dataclass(slots=True)
+class Served:
+    """One replayed request, from arrival to its last token. Steps count engine steps."""
+
+    tenant: str
+    tier: str
+    turn: int
+    arrival_step: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    cacheable: int  # tokens of the previous turn's context a cache could hold (whole blocks)
+    leased: bool  # a next turn within its tier's lease: its prefix was the lease's to keep
+    first_step: int = -1
+    first_s: float = 0.0
+    finish_s: float = 0.0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    block_seconds: float = 0.0
+
+    @property
+    def ttft_steps(self) -> int:
+        return self.first_step - self.arrival_step
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_s - self.arrival_s
+
+
+@dataclass
+class Replay:
+    """What a replay observed: each request, and the engine's fair-share books."""
+
+    served: list[Served]
+    steps: int
+    calls: int  # scheduler calls: steps less those strides saved
+    seconds: float  # the step clock's time from the first arrival to the last token
+    dropped: int  # turns left out: their session's context would pass max_model_len
+    fair_share: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+
+
+class _Clock:
+    """The lease clock the scheduler reads: the step clock's seconds past an origin."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return 1e6 + self.now
+
+
+def simulate(
+    turns: list[Turn],
+    tiers: TierTable,
+    pool_blocks: int,
+    cost: StepCost,
+    model: str,
+    tiers_path: str | None = None,
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_stride: int = MAX_STRIDE,
+    progress: Callable[[int], None] | None = None,
+) -> Replay:
+    """Replay `turns` under `tiers` (the table at `tiers_path`, or the one in force) on a
+    pool of `pool_blocks` KV blocks; `progress` is called with each batch of finished
+    requests' count."""
+    from engine.vllm_scheduler import TenantAwareScheduler
+
+    scheduler = make_scheduler(
+        TenantAwareScheduler,
+        model,
+        pool_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kvlease={"tiers": tiers_path} if tiers_path else None,
+    )
+    clock = scheduler.clock = _Clock()
+    ticks = 1.0 / cost.base if cost.is_fixed else 1000.0  # a tick: a step, or a millisecond
+    vocab = scheduler.vllm_config.model_config.get_vocab_size()
+    max_len = scheduler.vllm_config.model_config.max_model_len
+    trace = StepTrace(turns, ticks, vocab, min(MAX_CONTEXT, max_len))
+    live: dict[str, tuple[Served, Arrival]] = {}
+    done: dict[str, Served] = {}  # finished, until the engine's RequestDone fills it in
+    served: list[Served] = []
+    steps = calls = last_stride = 0
+    next_books = 0.0
+    while not trace.done:
+        for arrival in trace.due(round(clock.now * ticks)):
+            live[arrival.request_id] = _admit(scheduler, arrival, tiers, steps, clock.now)
+        if not scheduler.has_requests():
+            clock.now = max(clock.now, trace.next_step() / ticks)  # idle: the next arrival
+            continue
+        out = scheduler.schedule()
+        prefill, decoding = _shape(scheduler, out, last_stride)
+        step_s = cost.seconds(prefill, decoding)
+        stride = 1
+        if prefill == 0 and max_stride > 1:
+            stride = _stride(scheduler, out, step_s, clock.now, trace.next_step(), ticks)
+            stride = min(stride, max_stride)
+        _, outputs = step(scheduler, out, stride)
+        calls += 1
+        clock.now += stride * step_s
+        finished = 0
+        for batch in outputs.values():
+            for o in batch.outputs:
+                s, arrival = live[o.request_id]
+                if s.first_step < 0 and o.new_token_ids:  # never in a stride: see _stride
+                    s.first_step, s.first_s = steps, clock.now
+                    s.cached_tokens = o.prefill_stats.num_cached_tokens if o.prefill_stats else 0
+                if o.finish_reason is not None:
+                    s.finish_s = clock.now
+                    # The reply ends with this step: the user's think time starts at the next.
+                    trace.finished(arrival, [7] * s.output_tokens, round(clock.now * ticks) - 1)
+                    done[o.request_id] = s
+                    del live[o.request_id]
+                    finished += 1
+        steps += stride
+        last_stride = stride
+        served += _settle(scheduler, done)
+        if scheduler.waiting and clock.now >= next_books:  # fair-share books, once a second
+            scheduler._fair_share_rows()
+            next_books = clock.now + 1.0
+        if progress is not None and finished:
+            progress(finished)
+    scheduler._fair_share_rows()
+    served += _settle(scheduler, done)
+    first = min((s.arrival_s for s in served), default=0.0)
+    books = dict(scheduler.accounting.fair_share_tokens)
+    return Replay(served, steps, calls, clock.now - first, trace.dropped, books)
+
+
+def _admit(
+    scheduler: Any, arrival: Arrival, tiers: TierTable, steps: int, now: float
+) -> tuple[Served, Arrival]:
+    turn = arrival.turn
+    request = make_request(
+        turn.tenant_id,
+        turn.tier,
+        len(arrival.prompt),
+        turn.output_tokens,
+        session=turn.session_id,
+        prompt=arrival.prompt,
+        request_id=arrival.request_id,
+    )
+    scheduler.add_request(request)
+    served = Served(
+        turn.tenant_id,
+        turn.tier,
+        turn.turn,
+        steps,
+        now,
+        len(arrival.prompt),
+        turn.output_tokens,
+        cacheable=max(0, arrival.prefix_tokens - 1) // BLOCK * BLOCK,  # the reply's last token
+        leased=turn.turn > 0 and arrival.think_seconds <= tiers[turn.tier].lease_seconds,
+    )
+    return served, arrival
+
+
+def _shape(scheduler: Any, out: Any, last_stride: int) -> tuple[int, int]:
+    """(prompt tokens computed, requests decoding) in this step. A request decodes when
+    all it has left to compute is what the last step sampled for it."""
+    prefill = decoding = 0
+    requests = scheduler.requests
+    for request_id, n in out.num_scheduled_tokens.items():
+        request = requests[request_id]
+        before = request.num_computed_tokens - n  # schedule() has counted this step's
+        if request.num_output_tokens and request.num_tokens - before <= max(1, last_stride):
+            decoding += 1
+        else:
+            prefill += n
+    return prefill, decoding
+
+
+def _stride(
+    scheduler: Any, out: Any, step_s: float, now: float, next_tick: int | None, ticks: float
+) -> int:
+    """How many alike decode steps start here. A stride's tokens are computed at the
+    step after it, so that step must come before anything that could decide otherwise:
+    no request finishes in the stride (its last token is sampled after it, with all
+    else computed), no arrival falls due in it or at the step after it, and the blocks
+    it needs are free without touching any a lease holds. 1 unless nothing waits and
+    every running request was scheduled."""
+    running = scheduler.running
+    if (
+        not running
+        or scheduler.waiting
+        or len(out.num_scheduled_tokens) != len(running)
+        or scheduler._kv_caps
+    ):
+        return 1
+    stride = min(r.max_tokens - r.num_output_tokens for r in running) - 1
+    if next_tick is not None and stride > 1:
+        stride = min(stride, int(((next_tick - 0.5) / ticks - now) / step_s))
+        while stride > 1 and round((now + stride * step_s) * ticks) >= next_tick:
+            stride -= 1
+    if stride <= 1:
+        return 1
+    blocks = len(running) * (-(-stride // BLOCK) + 1)
+    return stride if scheduler._free_queue.free_unleased >= blocks else 1
+
+
+def _settle(scheduler: Any, done: dict[str, Served]) -> list[Served]:
+    """The engine's own figures for finished requests (its RequestDone events)."""
+    settled = []
+    for event in scheduler.events.drain():
+        if type(event).__name__ == "RequestDone" and event.request_id in done:
+            s = done.pop(event.request_id)
+            s.preemptions, s.recomputed_tokens = event.preemptions, event.recomputed_tokens
+            s.block_seconds = event.block_seconds
+            settled.append(s)
+    return settled
