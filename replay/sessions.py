@@ -54,6 +54,7 @@ class StepTrace:
     ) -> None:
         self.steps_per_second = steps_per_second
         self.vocab = vocab
+        self._ids = range(10, vocab)  # token ids a user's words may take
         self.max_context = max_context
         self.run = run
         self.dropped = 0
@@ -79,7 +80,7 @@ class StepTrace:
         while self._heap and self._heap[0][0] <= step:
             _, _, turn, context, think = heapq.heappop(self._heap)
             rng = random.Random(f"{turn.session_id}:{turn.turn}")  # the same ids in every run
-            prompt = context + [rng.randrange(10, self.vocab) for _ in range(turn.input_tokens)]
+            prompt = context + rng.choices(self._ids, k=turn.input_tokens)
             rid = f"{self.run}-{turn.session_id}-t{turn.turn}"
             self._outstanding += 1
             out.append(Arrival(rid, turn, prompt, len(context), think, step))

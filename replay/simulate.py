@@ -26,7 +26,7 @@ from replay.clock import StepCost
 from replay.sessions import Arrival, StepTrace
 from replay.synthetic import BLOCK, make_request, make_scheduler, step
 
-MAX_STRIDE = 64
+MAX_STRIDE = 1024
 MAX_CONTEXT = 1400  # as bench/policy.py: a session ends before its context passes this
 
 
@@ -224,6 +224,8 @@ def _stride(
     ):
         return 1
     stride = min(r.max_tokens - r.num_output_tokens for r in running) - 1
+    # The step after computes the stride's tokens: all of them must fit its token budget.
+    stride = min(stride, scheduler.max_num_scheduled_tokens // len(running))
     if next_tick is not None and stride > 1:
         stride = min(stride, int(((next_tick - 0.5) / ticks - now) / step_s))
         while stride > 1 and round((now + stride * step_s) * ticks) >= next_tick:
