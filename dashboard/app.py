@@ -9,12 +9,12 @@ from datetime import UTC, date, datetime, timedelta
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, usage
+from dashboard import charts, data, usage, whatif
 from engine.tenancy import TierTable
 from exporters.billing import GRANULARITIES, parse_window
 
 DEFAULT_ENGINE = "http://127.0.0.1:8000"
-PAGES = {"live": "Live", "usage": "Usage & billing"}
+PAGES = {"live": "Live", "usage": "Usage & billing", "whatif": "What if"}
 
 st.set_page_config(page_title="kvlease", layout="wide")
 CONFIG = data.Config.from_env()
@@ -289,6 +289,77 @@ def reconciliation_view(finance: usage.Finance, lo: float, hi: float) -> None:
     st.dataframe(usage.reconcile(finance.tenants, totals), hide_index=True, key="reconcile")
 
 
+def what_if_page() -> None:
+    st.caption(
+        "Replays recorded traffic through the real scheduler, offline, under the tier table "
+        "in force and a proposed one: `kvlease replay`, run in the background."
+    )
+    sources = (["ledger"] if CONFIG.usage_db else []) + ["trace"]
+    with st.form("whatif"):
+        source = st.radio(
+            "Traffic", sources, horizontal=True, key="whatif_source",
+            format_func={"ledger": "Usage ledger", "trace": "Trace CSV"}.get,
+        )  # fmt: skip
+        c1, c2 = st.columns(2)
+        today = datetime.now(UTC).date()
+        start = c1.date_input("From (UTC)", today - timedelta(days=7), key="whatif_from")
+        end = c2.date_input("To (UTC, exclusive)", today, key="whatif_to")
+        trace = st.text_input("Trace CSV (a path on this machine)", key="whatif_trace")
+        tiers = st.text_input(
+            "Proposed tier table (TOML path; empty: the one in force)", key="whatif_tiers"
+        )
+        assign = st.text_area(
+            "Move tenants (TOML)", placeholder='[tenants]\nacme = "premium"', key="whatif_assign"
+        )
+        c1, c2, c3 = st.columns(3)
+        pool = c1.number_input("Proposed pool (blocks)", 2, 10**7, 64, key="whatif_pool")
+        current = c2.number_input("Current pool (blocks)", 2, 10**7, 64, key="whatif_current")
+        speed = c3.number_input("Traffic speed", 0.1, 100.0, 1.0, key="whatif_speed")
+        run = st.form_submit_button("Run replay")
+    if run:
+        job = st.session_state.get("whatif_job")
+        if job is not None:
+            job.stop()
+        new = whatif.ReplayJob()
+        argv = whatif.replay_argv(
+            trace=trace if source == "trace" else None,
+            start=str(start),
+            end=str(end),
+            tiers=tiers or None,
+            assign=new.write("assign.toml", assign) if assign.strip() else None,
+            pool_blocks=int(pool),
+            current_pool_blocks=int(current),
+            speed=float(speed),
+        )
+        st.session_state["whatif_job"] = new.start(argv, CONFIG.usage_db)
+    what_if_result()
+
+
+@st.fragment(run_every=2.0)
+def what_if_result() -> None:
+    job = st.session_state.get("whatif_job")
+    if job is None:
+        return
+    state, value = job.poll()
+    if state == "running":
+        st.info(f"Replaying... {value}")
+        return
+    if state == "failed":
+        st.error(value)
+        return
+    frame = whatif.tier_frame(value)
+    st.subheader("Per tier, current -> proposed")
+    st.dataframe(whatif.tier_table(value), hide_index=True, key="whatif_tiers_table")
+    columns = st.columns(2)
+    for i, (key, title) in enumerate(whatif.TIER_FIGURES):
+        columns[i % 2].plotly_chart(charts.what_if_bars(frame, key, title), key=f"whatif_{key}")
+    c1, c2 = st.columns(2)
+    c1.subheader("TTFT p99 (s) moves most")
+    c1.dataframe(whatif.movers_frame(value, "ttft_p99_s"), hide_index=True)
+    c2.subheader(f"Cost ({value['current']['currency']}) moves most")
+    c2.dataframe(whatif.movers_frame(value, "cost"), hide_index=True)
+
+
 def _day(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d")
 
@@ -327,5 +398,7 @@ with st.sidebar:
 st.header(PAGES[page])
 if page == "live":
     live_page()
-else:
+elif page == "usage":
     usage_page()
+else:
+    what_if_page()

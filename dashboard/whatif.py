@@ -9,6 +9,7 @@ reads the file when the child ends, and its progress bar's last line meanwhile.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from exporters.ledger import DB_ENV
 
 SIDES = ("current", "proposed")
 # The figures per tier shown side by side: (JSON key, title).
@@ -32,9 +35,8 @@ TIER_FIGURES = (
 
 @dataclass
 class ReplayJob:
-    """One background `kvlease replay`. `poll()` is O(1) and never blocks."""
+    """One background `kvlease replay` and its folder. `poll()` never blocks."""
 
-    argv: list[str]
     folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvlease-whatif-")))
     process: subprocess.Popen | None = None
 
@@ -46,11 +48,19 @@ class ReplayJob:
     def log_path(self) -> Path:
         return self.folder / "replay.log"
 
-    def start(self) -> ReplayJob:
-        command = [sys.executable, "-m", "server.cli", "replay", *self.argv]
+    def write(self, name: str, text: str) -> str:
+        """A file for the replay's arguments (an --assign table), in the job's folder."""
+        path = self.folder / name
+        path.write_text(text, encoding="utf-8")
+        return str(path)
+
+    def start(self, argv: list[str], usage_db: str | None = None) -> ReplayJob:
+        """The ledger's URL goes in the child's environment, never on its command line."""
+        command = [sys.executable, "-m", "server.cli", "replay", *argv]
         command += ["--json", str(self.report_path), "--quiet"]
+        env = {**os.environ, **({DB_ENV: usage_db} if usage_db else {})}
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         return self
 
     def poll(self) -> tuple[str, Any]:
@@ -79,7 +89,6 @@ class ReplayJob:
 def replay_argv(
     *,
     trace: str | None = None,
-    usage_db: str | None = None,
     start: str | None = None,
     end: str | None = None,
     tiers: str | None = None,
@@ -88,11 +97,12 @@ def replay_argv(
     current_pool_blocks: int | None = None,
     speed: float = 1.0,
 ) -> list[str]:
-    """The `kvlease replay` arguments for the form's choices."""
-    argv = ["--trace", trace] if trace else ["--usage-db", usage_db or "", "--from", start or ""]
-    if not trace and end:
-        argv += ["--to", end]
+    """The `kvlease replay` arguments for the form's choices: a trace, else the ledger's
+    window."""
+    argv = ["--trace", trace] if trace else []
     for flag, value in (
+        ("--from", None if trace else start),
+        ("--to", None if trace else end),
         ("--tiers", tiers),
         ("--assign", assign),
         ("--pool-blocks", pool_blocks),

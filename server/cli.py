@@ -120,10 +120,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "(current) and under --tiers / --assign / --pool-blocks (proposed). Prints both "
         "side by side; bad input is one line on stderr and exit status 2.",
     )
-    source = replay.add_mutually_exclusive_group(required=True)
+    source = replay.add_mutually_exclusive_group()
     source.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
     source.add_argument("--trace", default=None, help="trace CSV instead of the ledger")
-    replay.add_argument("--from", dest="start", default=None, help="window start (UTC date)")
+    replay.add_argument(
+        "--from", dest="start", default=None, help="window start, UTC (default: this month)"
+    )
     replay.add_argument("--to", dest="end", default=None, help="window end, exclusive")
     replay.add_argument("--tiers", default=None, help="the proposed tier table (TOML)")
     replay.add_argument(

@@ -128,3 +128,30 @@ def test_serving_beyond_localhost_needs_a_password(monkeypatch, capsys):
     monkeypatch.delenv(data.PASSWORD_ENV, raising=False)
     assert main(["dashboard", "--address", "0.0.0.0"]) == 2
     assert data.PASSWORD_ENV in capsys.readouterr().err
+
+
+def test_what_if_page_replays_a_trace_in_the_background_and_shows_both_sides(page, tmp_path):
+    from demo.workload import WorkloadSpec, generate, save_trace
+
+    trace = tmp_path / "trace.csv"
+    spec = WorkloadSpec(tenants=(1, 1, 3), duration=8.0, sessions_per_second=1.0, seed=2)
+    turns = generate(spec)
+    save_trace(turns, trace)
+    moved = next(t.tenant_id for t in turns if t.tier == "free")
+    app = page("whatif")
+    assert not app.exception
+    assert app.radio(key="whatif_source").value == "trace"  # no ledger configured
+    app.text_input(key="whatif_trace").set_value(str(trace))
+    app.text_area(key="whatif_assign").set_value(f'[tenants]\n"{moved}" = "premium"\n')
+    app.number_input(key="whatif_pool").set_value(32)
+    next(b for b in app.button if b.label == "Run replay").click()
+    app.run()
+    job = app.session_state["whatif_job"]
+    assert job.process.wait(timeout=600) == 0, job.log_path.read_text()
+    app.run()
+    assert not app.exception
+    tiers = app.dataframe[0].value
+    assert set(tiers["tier"]) <= {"premium", "standard", "free"} and len(tiers) >= 2
+    premium = tiers.set_index("tier").loc["premium", "requests"]
+    assert "->" in premium  # the moved tenant's requests joined premium in the proposed table
+    assert len(app.get("plotly_chart")) == 6
