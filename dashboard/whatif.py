@@ -39,6 +39,7 @@ class ReplayJob:
 
     folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvlease-whatif-")))
     process: subprocess.Popen | None = None
+    report: dict[str, Any] | None = None  # read once, when the child has ended
 
     @property
     def report_path(self) -> Path:
@@ -55,9 +56,10 @@ class ReplayJob:
         return str(path)
 
     def start(self, argv: list[str], usage_db: str | None = None) -> ReplayJob:
-        """The ledger's URL goes in the child's environment, never on its command line."""
+        """The ledger's URL goes in the child's environment, never on its command line. The
+        child's progress bar and table go to the job's log."""
         command = [sys.executable, "-m", "server.cli", "replay", *argv]
-        command += ["--json", str(self.report_path), "--quiet"]
+        command += ["--json", str(self.report_path)]
         env = {**os.environ, **({DB_ENV: usage_db} if usage_db else {})}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -69,7 +71,9 @@ class ReplayJob:
         if code is None:
             return "running", self._last_line()
         if code == 0 and self.report_path.exists():
-            return "done", json.loads(self.report_path.read_text())
+            if self.report is None:
+                self.report = json.loads(self.report_path.read_text())
+            return "done", self.report
         return "failed", self._last_line() or f"kvlease replay exited with status {code}"
 
     def stop(self) -> None:
