@@ -185,4 +185,4 @@ def _side(side: Side, plan: Plan) -> dict[str, Any]:
         progress=_count,
         **plan.limits,
     )
-    return summarize(replay, tiers, "replay")
+    return summarize(replay, tiers)

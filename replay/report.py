@@ -33,7 +33,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[int(rank) - 1]
 
 
-def summarize(replay: Replay, tiers: TierTable, model: str) -> dict[str, Any]:
+def summarize(replay: Replay, tiers: TierTable) -> dict[str, Any]:
     """Figures for one side: the whole run, each tier, each tenant."""
     by_tier: dict[str, list[Served]] = defaultdict(list)
     by_tenant: dict[str, list[Served]] = defaultdict(list)
@@ -44,11 +44,11 @@ def summarize(replay: Replay, tiers: TierTable, model: str) -> dict[str, Any]:
     tier_rows = {}
     for tier in tiers:  # the table's order: most important first
         if by_tier[tier]:
-            row = _figures(by_tier[tier], tiers, model)
+            row = _figures(by_tier[tier], tiers)
             row["fair_share_ratio"] = ratios.get(tier)
             tier_rows[tier] = row
     tenants = {
-        tenant: {"tier": served[-1].tier, **_figures(served, tiers, model)}
+        tenant: {"tier": served[-1].tier, **_figures(served, tiers)}
         for tenant, served in sorted(by_tenant.items())
     }
     return {
@@ -63,7 +63,7 @@ def summarize(replay: Replay, tiers: TierTable, model: str) -> dict[str, Any]:
     }
 
 
-def _figures(served: list[Served], tiers: TierTable, model: str) -> dict[str, Any]:
+def _figures(served: list[Served], tiers: TierTable) -> dict[str, Any]:
     steps = [s.ttft_steps for s in served]
     seconds = [s.ttft_s for s in served]
     leased = [s for s in served if s.leased]
@@ -83,11 +83,11 @@ def _figures(served: list[Served], tiers: TierTable, model: str) -> dict[str, An
             else None
         ),
         "kv_block_hours": round(sum(s.block_seconds for s in served) / 3600, 6),
-        "cost": float(round(_cost(served, tiers, model), 6)),
+        "cost": float(round(_cost(served, tiers), 6)),
     }
 
 
-def _cost(served: Iterable[Served], tiers: TierTable, model: str) -> Decimal:
+def _cost(served: Iterable[Served], tiers: TierTable) -> Decimal:
     """What the requests are billed at their tiers' prices in `tiers`, summed per
     (tenant, tier) as a ledger rollup is."""
     sums: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 0.0])
@@ -103,7 +103,7 @@ def _cost(served: Iterable[Served], tiers: TierTable, model: str) -> Decimal:
     total = Decimal(0)
     for (tenant, tier), (n, inp, cached, out, recomputed, preempted, block_s) in sums.items():
         rollup = Rollup(
-            tenant, model, 0, tier, None, n, inp, cached, out, recomputed, preempted, 0, 0,
+            tenant, "replay", 0, tier, None, n, inp, cached, out, recomputed, preempted, 0, 0,
             block_us(block_s),
         )  # fmt: skip
         total += billed(rollup, tiers)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from engines import POOL_BLOCKS, settle
-from records import NOV
+from records import NOV, rec
 
 from bench.inprocess import Engine
 from bench.policy import play
@@ -178,15 +178,9 @@ def test_an_unknown_tier_in_assign_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_an_empty_window_is_one_line_and_exit_2(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'usage.db'}"
-    UsageLedger(url).write([_november(0)])
+    UsageLedger(url).write([rec(0)])  # November 2026
     line = _fails(capsys, ["--usage-db", url, "--from", "2026-10-01", "--to", "2026-10-08"])
     assert "no usage records ended in the window" in line
-
-
-def _november(i: int) -> UsageRecord:
-    from records import rec
-
-    return rec(i)
 
 
 def test_ledger_records_become_chat_turns_with_new_tokens_and_think_time():
