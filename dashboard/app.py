@@ -348,6 +348,7 @@ def what_if_result() -> None:
         st.error(value)
         return
     frame = whatif.tier_frame(value)
+    st.caption(whatif.settings_line(value))
     st.subheader("Per tier, current -> proposed")
     st.dataframe(whatif.tier_table(value), hide_index=True, key="whatif_tiers_table")
     columns = st.columns(2)

@@ -119,6 +119,20 @@ def replay_argv(
     return argv
 
 
+def settings_line(report: dict[str, Any]) -> str:
+    """What each side ran under, in one sentence."""
+    s, cur, new = report["settings"], report["current"], report["proposed"]
+    cost = s["step_cost"]
+    return (
+        f"current: tiers {s['current']['tiers']}, {s['current']['pool_blocks']} blocks; "
+        f"proposed: tiers {s['proposed']['tiers']}, {s['proposed']['pool_blocks']} blocks; "
+        f"step cost {cost['base']:.3g} s + {cost['prefill_token']:.3g} s per prompt token + "
+        f"{cost['decode_request']:.3g} s per decoding request. {cur['requests']:,} requests "
+        f"replayed; total cost {pair(cur['cost'], new['cost'])} {cur['currency']}."
+        + "".join(f" {note}." for note in s["notes"])
+    )
+
+
 def tier_frame(report: dict[str, Any]) -> pd.DataFrame:
     """One row per (tier, side): the tier figures of both sides, long form."""
     rows = [

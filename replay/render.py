@@ -63,15 +63,11 @@ def terminal(report: dict[str, Any]) -> Any:
             b["tenant"] if b else "",
             whatif.pair(*b["cost"]) if b else "",
         )
-    s = report["settings"]
-    caption = (
-        f"current: tiers {s['current']['tiers']}, {s['current']['pool_blocks']} blocks; "
-        f"proposed: tiers {s['proposed']['tiers']}, {s['proposed']['pool_blocks']} blocks. "
-        f"{cur['requests']:,} requests replayed; total cost "
-        f"{whatif.pair(cur['cost'], new['cost'])} {cur['currency']}."
-    )
     return Group(
-        table("Per tier", tiers, "tier"), table("Top tenants", tenants, "tenant"), movers, caption
+        table("Per tier", tiers, "tier"),
+        table("Top tenants", tenants, "tenant"),
+        movers,
+        whatif.settings_line(report),
     )
 
 
@@ -91,7 +87,7 @@ def page(report: dict[str, Any]) -> str:
     body = "".join(
         f"<h2>{html.escape(t)}</h2>{f.to_html(index=False, border=0)}" for t, f in tables
     )
-    settings = html.escape(str(report["settings"]))
+    settings = html.escape(whatif.settings_line(report))
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>kvlease what-if replay</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
