@@ -40,7 +40,8 @@ def summarize(replay: Replay, tiers: TierTable) -> dict[str, Any]:
     for s in replay.served:
         by_tier[s.tier].append(s)
         by_tenant[s.tenant].append(s)
-    ratios = _fair_share(replay.fair_share)
+    ratios = _fair_share(replay.fair_share, by=1)
+    tenant_ratios = _fair_share(replay.fair_share, by=0)
     tier_rows = {}
     for tier in tiers:  # the table's order: most important first
         if by_tier[tier]:
@@ -48,7 +49,11 @@ def summarize(replay: Replay, tiers: TierTable) -> dict[str, Any]:
             row["fair_share_ratio"] = ratios.get(tier)
             tier_rows[tier] = row
     tenants = {
-        tenant: {"tier": served[-1].tier, **_figures(served, tiers)}
+        tenant: {
+            "tier": served[-1].tier,
+            **_figures(served, tiers),
+            "fair_share_ratio": tenant_ratios.get(tenant),
+        }
         for tenant, served in sorted(by_tenant.items())
     }
     return {
@@ -110,15 +115,16 @@ def _cost(served: Iterable[Served], tiers: TierTable) -> Decimal:
     return total
 
 
-def _fair_share(books: dict[tuple[str, str], list[float]]) -> dict[str, float]:
-    """Per tier: service received over service entitled while its tenants waited
-    (1.0: each backlogged tenant got its weighted share; engine.fairness)."""
+def _fair_share(books: dict[tuple[str, str], list[float]], by: int) -> dict[str, float]:
+    """Per tenant (`by` 0) or tier (1): service received over service entitled while it
+    waited (1.0: each backlogged tenant got its weighted share; engine.fairness). The
+    books are the engine's, keyed by (tenant label, tier)."""
     served: dict[str, float] = defaultdict(float)
     entitled: dict[str, float] = defaultdict(float)
-    for (_, tier), (s, e) in books.items():
-        served[tier] += s
-        entitled[tier] += e
-    return {tier: round(served[tier] / e, 4) for tier, e in entitled.items() if e > 0}
+    for key, (s, e) in books.items():
+        served[key[by]] += s
+        entitled[key[by]] += e
+    return {k: round(served[k] / e, 4) for k, e in entitled.items() if e > 0}
 
 
 def movers(current: dict[str, Any], proposed: dict[str, Any], n: int = MOVERS) -> dict:

@@ -149,6 +149,10 @@ def test_the_json_report_has_every_figure_the_readme_promises_and_the_html_is_se
     for side in ("current", "proposed"):
         for tier, figures in report[side]["tiers"].items():
             assert wanted <= set(figures), (side, tier)
+        for tenant, figures in report[side]["tenants"].items():
+            assert wanted | {"tier"} <= set(figures), (side, tenant)
+        waited = [t for t in report[side]["tenants"].values() if t["fair_share_ratio"]]
+        assert waited, "some tenant waited beside another of its tier"
     page = (folder / "r.html").read_text()
     assert page.count("<script") >= 6 and "src=" not in page.split("<body>", 1)[0]
     assert "http://" not in page.split("plotly")[0]
