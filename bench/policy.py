@@ -167,7 +167,7 @@ def summarize(run: Run, tiers: TierTable, caps: dict[str, int]) -> dict[str, Any
         tpot_s = [(r.finish_s - r.first_s) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
         recomputed = sum(_recomputed(r, run.observations) for r in reqs)
         lease = tiers[tier].lease_seconds
-        leased = [r for r in reqs if r.arrival.turn.turn > 0 and r.arrival.think_seconds <= lease]
+        leased = [r for r in reqs if r.arrival.within_lease(lease)]
         cacheable = sum(_cacheable(r) for r in leased)
         cap_tokens = caps.get(tier, 0) * BLOCK_SIZE
         lost_context = sum(_cacheable(r) - min(r.cached, _cacheable(r)) for r in reqs)
@@ -210,9 +210,7 @@ def summarize(run: Run, tiers: TierTable, caps: dict[str, int]) -> dict[str, Any
 
 
 def _cacheable(r: Request) -> int:
-    """Tokens of the previous turn's context this request could find in the prefix cache:
-    whole blocks, without the reply's last token (never fed back, so never cached)."""
-    return max(0, r.arrival.prefix_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    return r.arrival.cacheable(BLOCK_SIZE)
 
 
 def _recomputed(r: Request, obs: Observations) -> int:

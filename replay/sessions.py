@@ -33,6 +33,15 @@ class Arrival:
     think_seconds: float  # trace time since the previous turn (0 for a first turn)
     step: int  # the tick it arrives at
 
+    def cacheable(self, block: int) -> int:
+        """Tokens of the previous turn's context the prefix cache could hold for it: whole
+        blocks, without the reply's last token (never fed back, so never cached)."""
+        return max(0, self.prefix_tokens - 1) // block * block
+
+    def within_lease(self, lease_seconds: float) -> bool:
+        """A next turn that came while its session's lease ran."""
+        return self.turn.turn > 0 and self.think_seconds <= lease_seconds
+
 
 class StepTrace:
     """Releases a trace's requests at ticks.

@@ -17,10 +17,11 @@ makes a week of traffic take minutes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from demo.workload import Turn
+from engine.events import RequestDone
 from engine.tenancy import TierTable
 from replay.clock import StepCost
 from replay.sessions import Arrival, StepTrace
@@ -45,11 +46,25 @@ class Served:
     leased: bool  # a next turn within its tier's lease: its prefix was the lease's to keep
     first_step: int = -1
     first_s: float = 0.0
-    finish_s: float = 0.0
     cached_tokens: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
     block_seconds: float = 0.0
+
+    @classmethod
+    def arriving(cls, arrival: Arrival, tiers: TierTable, step: int, now: float) -> Served:
+        turn = arrival.turn
+        return cls(
+            turn.tenant_id,
+            turn.tier,
+            turn.turn,
+            step,
+            now,
+            len(arrival.prompt),
+            turn.output_tokens,
+            cacheable=arrival.cacheable(BLOCK),
+            leased=arrival.within_lease(tiers[turn.tier].lease_seconds),
+        )
 
     @property
     def ttft_steps(self) -> int:
@@ -69,7 +84,7 @@ class Replay:
     calls: int  # scheduler calls: steps less those strides saved
     seconds: float  # the step clock's time from the first arrival to the last token
     dropped: int  # turns left out: their session's context would pass max_model_len
-    fair_share: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    fair_share: dict[tuple[str, str], list[float]]  # (tenant label, tier) -> [served, entitled]
 
 
 class _Clock:
@@ -142,7 +157,6 @@ def simulate(
                     s.first_step, s.first_s = steps, clock.now
                     s.cached_tokens = o.prefill_stats.num_cached_tokens if o.prefill_stats else 0
                 if o.finish_reason is not None:
-                    s.finish_s = clock.now
                     # The reply ends with this step: the user's think time starts at the next.
                     trace.finished(arrival, [7] * s.output_tokens, round(clock.now * ticks) - 1)
                     done[o.request_id] = s
@@ -167,28 +181,18 @@ def _admit(
     scheduler: Any, arrival: Arrival, tiers: TierTable, steps: int, now: float
 ) -> tuple[Served, Arrival]:
     turn = arrival.turn
-    request = make_request(
-        turn.tenant_id,
-        turn.tier,
-        len(arrival.prompt),
-        turn.output_tokens,
-        session=turn.session_id,
-        prompt=arrival.prompt,
-        request_id=arrival.request_id,
+    scheduler.add_request(
+        make_request(
+            turn.tenant_id,
+            turn.tier,
+            len(arrival.prompt),
+            turn.output_tokens,
+            session=turn.session_id,
+            prompt=arrival.prompt,
+            request_id=arrival.request_id,
+        )
     )
-    scheduler.add_request(request)
-    served = Served(
-        turn.tenant_id,
-        turn.tier,
-        turn.turn,
-        steps,
-        now,
-        len(arrival.prompt),
-        turn.output_tokens,
-        cacheable=max(0, arrival.prefix_tokens - 1) // BLOCK * BLOCK,  # the reply's last token
-        leased=turn.turn > 0 and arrival.think_seconds <= tiers[turn.tier].lease_seconds,
-    )
-    return served, arrival
+    return Served.arriving(arrival, tiers, steps, now), arrival
 
 
 def _shape(scheduler: Any, out: Any, last_stride: int) -> tuple[int, int]:
@@ -240,7 +244,7 @@ def _settle(scheduler: Any, done: dict[str, Served]) -> list[Served]:
     """The engine's own figures for finished requests (its RequestDone events)."""
     settled = []
     for event in scheduler.events.drain():
-        if type(event).__name__ == "RequestDone" and event.request_id in done:
+        if isinstance(event, RequestDone) and event.request_id in done:
             s = done.pop(event.request_id)
             s.preemptions, s.recomputed_tokens = event.preemptions, event.recomputed_tokens
             s.block_seconds = event.block_seconds
