@@ -22,9 +22,10 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench import report
 from bench.inprocess import start_engine
@@ -34,8 +35,10 @@ from demo.workload import generate
 from engine.tenancy import TierTable
 from replay import command, traffic
 from replay.clock import CPU_DEMO, StepCost
-from replay.report import percentile
-from replay.sessions import Arrival
+from replay.report import summarize
+
+if TYPE_CHECKING:  # vLLM loads only after main() has set its environment
+    from replay.simulate import Served
 
 POOL = 64
 SPS = 10.0
@@ -45,30 +48,35 @@ SESSIONS_PER_SECOND = 0.33  # about 1.0 request per second with SPEC's mean of t
 RESULTS = Path(__file__).parent / "results"
 
 
-def _figures(rows: list[tuple[str, int, int, int, bool, Any]]) -> dict[str, dict]:
-    """Per tier, from (tier, ttft steps, cached, cacheable, leased, preemptions) rows."""
-    out: dict[str, dict] = {}
-    for tier in TierTable.load():
-        mine = [r for r in rows if r[0] == tier]
-        if not mine:
-            continue
-        ttft = [r[1] for r in mine]
-        leased = [r for r in mine if r[4]]
-        cacheable = sum(r[3] for r in leased)
-        out[tier] = {
-            "ttft_mean_steps": sum(ttft) / len(ttft),
-            "ttft_p50_steps": percentile(ttft, 50),
-            "ttft_p99_steps": percentile(ttft, 99),
-            "preemptions": sum(r[5] for r in mine),
-            "leased_next_turn_hit": (
-                sum(min(r[2], r[3]) for r in leased) / cacheable if cacheable else None
-            ),
-        }
+FIGURES = ("ttft_p50_steps", "ttft_p99_steps", "preemptions", "leased_next_turn_hit")
+
+
+def _figures(served: list[Served], tiers: TierTable) -> dict[str, dict]:
+    """Per tier: TTFT mean in steps, and the report's own TTFT percentiles, preemptions and
+    leased next-turn hit (replay.report, which `kvlease replay` prints)."""
+    from replay.simulate import Replay
+
+    report = summarize(Replay(served, 0, 0, 0.0, 0, {}), tiers)
+    out = {}
+    for tier, figures in report["tiers"].items():
+        ttft = [s.ttft_steps for s in served if s.tier == tier]
+        out[tier] = {"ttft_mean_steps": sum(ttft) / len(ttft)}
+        out[tier].update((key, figures[key]) for key in FIGURES)
     return out
 
 
-def _cacheable(a: Arrival) -> int:
-    return max(0, a.prefix_tokens - 1) // 32 * 32
+def _served(run: Any, tiers: TierTable) -> list[Served]:
+    """The real run's requests as the replay records its own."""
+    from replay.simulate import Served
+
+    preempted = Counter(rid for rid, *_ in run.observations.preemptions)
+    served = []
+    for r in run.requests:
+        s = Served.arriving(r.arrival, tiers, r.arrival.step, r.arrival_s)
+        s.first_step, s.cached_tokens = r.first_step, r.cached
+        s.preemptions = preempted[r.arrival.request_id]
+        served.append(s)
+    return served
 
 
 def fidelity(model: str, quick: bool) -> dict[str, Any]:
@@ -79,25 +87,7 @@ def fidelity(model: str, quick: bool) -> dict[str, Any]:
     tiers = TierTable.load()
     engine = start_engine("kvlease", model, TenantAwareScheduler, "fcfs", POOL)
     run = play(engine, turns, "real", SPS, tiers)
-    preempted: dict[str, int] = {}
-    for _, tier, _, _ in run.observations.preemptions:
-        preempted[tier] = preempted.get(tier, 0) + 1
-    real = _figures(
-        [
-            (
-                r.arrival.turn.tier,
-                r.first_step - r.arrival.step,
-                r.cached,
-                _cacheable(r.arrival),
-                r.arrival.turn.turn > 0
-                and r.arrival.think_seconds <= tiers[r.arrival.turn.tier].lease_seconds,
-                0,
-            )
-            for r in run.requests
-        ]
-    )
-    for tier, n in preempted.items():
-        real[tier]["preemptions"] = n
+    real = _figures(_served(run, tiers), tiers)
     config = engine.llm.vllm_config.scheduler_config
     replay = simulate(
         turns,
@@ -108,12 +98,7 @@ def fidelity(model: str, quick: bool) -> dict[str, Any]:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
-    replayed = _figures(
-        [
-            (s.tier, s.ttft_steps, s.cached_tokens, s.cacheable, s.leased, s.preemptions)
-            for s in replay.served
-        ]
-    )
+    replayed = _figures(replay.served, tiers)
     rows = []
     for tier, figures in real.items():
         for key, value in figures.items():
@@ -184,7 +169,7 @@ def markdown(result: dict[str, Any]) -> str:
     s = result["speed"]
     lines += [
         "",
-        f"Speed: {s['requests']:,} requests over {s['span_hours']:.0f} h "
+        f"Speed: {s['requests']:,} requests over {s['span_hours']:g} h "
         f"({s['requests_per_second_of_traffic']:.2f} req/s), {s['pool_blocks']} blocks, both "
         f"sides: {s['wall_seconds']:.0f} s wall ({s['replayed_requests_per_second']:,.0f} "
         "replayed requests per second).",
