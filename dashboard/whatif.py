@@ -22,6 +22,20 @@ import pandas as pd
 from exporters.ledger import DB_ENV
 
 SIDES = ("current", "proposed")
+# The figures of a tier or tenant shown in tables: (JSON key, title).
+COLUMNS = (
+    ("requests", "requests"),
+    ("ttft_p50_steps", "TTFT p50\nsteps"),
+    ("ttft_p99_steps", "TTFT p99\nsteps"),
+    ("ttft_p50_s", "TTFT p50\ns"),
+    ("ttft_p99_s", "TTFT p99\ns"),
+    ("preemptions", "preempted"),
+    ("recomputed_tokens", "recomputed\ntokens"),
+    ("leased_next_turn_hit", "leased\nhit"),
+    ("kv_block_hours", "block-\nhours"),
+    ("fair_share_ratio", "fair\nshare"),
+    ("cost", "cost"),
+)
 # The figures per tier shown side by side: (JSON key, title).
 TIER_FIGURES = (
     ("ttft_p99_s", "TTFT p99 (s)"),
@@ -143,16 +157,18 @@ def tier_frame(report: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def tiers_of(report: dict[str, Any]) -> list[str]:
+    """Every tier either side served, in the order the report lists them."""
+    return list(dict.fromkeys([*report["current"]["tiers"], *report["proposed"]["tiers"]]))
+
+
 def tier_table(report: dict[str, Any]) -> pd.DataFrame:
     """One row per tier, each figure as "current -> proposed"."""
-    tiers = list(dict.fromkeys([*report["current"]["tiers"], *report["proposed"]["tiers"]]))
     rows = []
-    for tier in tiers:
+    for tier in tiers_of(report):
         old = report["current"]["tiers"].get(tier, {})
         new = report["proposed"]["tiers"].get(tier, {})
-        keys = ("requests", "ttft_p50_steps", "ttft_p99_steps", "recomputed_tokens")
-        keys += tuple(key for key, _ in TIER_FIGURES)
-        rows.append({"tier": tier, **{key: pair(old.get(key), new.get(key)) for key in keys}})
+        rows.append({"tier": tier, **{k: pair(old.get(k), new.get(k)) for k, _ in COLUMNS}})
     return pd.DataFrame(rows)
 
 

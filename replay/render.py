@@ -12,19 +12,6 @@ from typing import Any
 from dashboard import charts, whatif
 
 TOP_TENANTS = 10
-COLUMNS = (
-    ("requests", "requests"),
-    ("ttft_p50_steps", "TTFT p50\nsteps"),
-    ("ttft_p99_steps", "TTFT p99\nsteps"),
-    ("ttft_p50_s", "TTFT p50\ns"),
-    ("ttft_p99_s", "TTFT p99\ns"),
-    ("preemptions", "preempted"),
-    ("recomputed_tokens", "recomputed\ntokens"),
-    ("leased_next_turn_hit", "leased\nhit"),
-    ("kv_block_hours", "block-\nhours"),
-    ("fair_share_ratio", "fair\nshare"),
-    ("cost", "cost"),
-)
 
 
 def terminal(report: dict[str, Any]) -> Any:
@@ -36,18 +23,18 @@ def terminal(report: dict[str, Any]) -> Any:
         t = Table(title=title, title_justify="left")
         t.add_column(first)
         t.add_column("side")
-        for _, name in COLUMNS:
+        for _, name in whatif.COLUMNS:
             t.add_column(name, justify="right")
         for label, sides in rows.items():
             for side, figures in zip(whatif.SIDES, sides, strict=True):
-                cells = (whatif.shown(figures.get(k)) for k, _ in COLUMNS)
+                cells = (whatif.shown(figures.get(k)) for k, _ in whatif.COLUMNS)
                 shown_side = f"{side}: {figures['tier']}" if "tier" in figures else side
                 t.add_row(label if side == "current" else "", shown_side, *cells)
             t.add_section()
         return t
 
     cur, new = report["current"], report["proposed"]
-    tiers = {t: (cur["tiers"].get(t, {}), new["tiers"].get(t, {})) for t in _tiers(report)}
+    tiers = {t: (cur["tiers"].get(t, {}), new["tiers"].get(t, {})) for t in whatif.tiers_of(report)}
     top = sorted(cur["tenants"], key=lambda t: -cur["tenants"][t]["requests"])[:TOP_TENANTS]
     tenants = {t: (cur["tenants"][t], new["tenants"].get(t, {})) for t in top}
     movers = Table(title="Moves most (current -> proposed)", title_justify="left")
@@ -95,7 +82,3 @@ def page(report: dict[str, Any]) -> str:
         f"<h1>What if: current against proposed</h1><p>{settings}</p>{body}"
         f"{''.join(parts)}</body></html>"
     )
-
-
-def _tiers(report: dict[str, Any]) -> list[str]:
-    return list(dict.fromkeys([*report["current"]["tiers"], *report["proposed"]["tiers"]]))
