@@ -126,16 +126,16 @@ def run(plan: Plan, jobs: int = 2, progress: Callable[[int], None] | None = None
         max_workers=jobs, mp_context=spawn, initializer=_share, initargs=(done,)
     ) as workers:
         futures = {s.name: workers.submit(_side, s, plan) for s in plan.sides}
-        shown = 0
-        while not all(f.done() for f in futures.values()):
-            time.sleep(0.2)
+        shown, finished = 0, False
+        while not finished:
+            finished = all(f.done() for f in futures.values())  # before the last count
             if progress is not None and done.value > shown:
                 progress(done.value - shown)
                 shown = done.value
+            if not finished:
+                time.sleep(0.2)
         for name, future in futures.items():
             results[name] = future.result()
-        if progress is not None and done.value > shown:
-            progress(done.value - shown)
     current, proposed = results["current"], results["proposed"]
     return {
         "current": current,

@@ -314,7 +314,7 @@ def _replay(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from replay import command
+    from replay import command, render
 
     plan = command.plan(args)
     total = sum(len(side.turns) for side in plan.sides)
@@ -329,7 +329,7 @@ def _replay(args: argparse.Namespace) -> int:
             report = command.run(plan, progress=bar.update)
     for path, text in (
         (args.json, lambda: json.dumps(report, indent=2) + "\n"),
-        (args.output, lambda: _html(report)),
+        (args.output, lambda: render.page(report)),
     ):
         if path:
             try:
@@ -339,19 +339,11 @@ def _replay(args: argparse.Namespace) -> int:
     if not args.quiet:
         from rich.console import Console
 
-        from replay.render import terminal
-
         console = Console()
         if not console.is_terminal:
             console.width = 140  # a file or a pipe: the whole table, not 80 columns of it
-        console.print(terminal(report))
+        console.print(render.terminal(report))
     return 0
-
-
-def _html(report: dict) -> str:
-    from replay.render import page
-
-    return page(report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
