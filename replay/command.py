@@ -168,6 +168,9 @@ def _side(side: Side, plan: Plan) -> dict[str, Any]:
 
     prepare_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a replay never downloads
+    # vLLM logs its start to stdout, between the report's lines: warnings only, on stderr.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     require_vllm()
     from demo.model import ensure_demo_model
     from replay.report import summarize
