@@ -18,14 +18,15 @@ prompts on `/v1/completions`, `/v1/chat/completions/batch`, the sub-requests of
 `/v1/responses`. All carry its `kvl-` id, so the join collects every half under it
 and the consumers see one `FinishedRequest` with the children summed. How many to
 wait for: the middleware counts them from the body (`InFlight.engine_requests`);
-where it cannot (`/v1/responses`), the join waits for the response's final byte
-(`request_ended`) and then for as many stats as engine halves.
+where it cannot (`/v1/responses`) the count is open. Either way the join waits for the
+response's end (`request_ended`) and then for as many stats as engine halves, at least
+the count: a fan-out the body did not show is billed whole, not cut at the count.
 
 A request the client abandoned has only the engine half: vLLM's API process drops
 its state on abort and reports no stats for it. So a background sweep delivers an
 aborted `RequestDone` after `abort_grace` seconds without stats, and anything else
 half-joined after `timeout` seconds. The middleware hands over the `InFlight` entry
-when a response ends early (`request_left`), so the record of an aborted request
+when a response ends early (`request_ended`), so the record of an aborted request
 still knows its model and start time.
 """
 
@@ -106,10 +107,17 @@ class FinishedRequest:
 
     @property
     def joined(self) -> bool:
-        expected = self.entry.engine_requests if self.entry is not None else 1
-        if expected is None:  # counted at the end: every engine half has its stats
-            return self.response_ended and 0 < len(self.done) == len(self.stats)
-        return len(self.stats) >= expected and len(self.done) >= expected
+        """Every engine request the response became has both halves. The response's end
+        comes first: by then vLLM has run every engine request it made of the body,
+        however many that was (a count the middleware could not foresee, a future
+        fan-out), and the count from the body is only a floor for halves still on the
+        way. vLLM names its `n` children apart only inside the engine, so halves are
+        matched by number, not by id."""
+        if not self.response_ended:
+            return False
+        expected = self.entry.engine_requests if self.entry is not None else None
+        halves = len(self.done)
+        return 0 < halves == len(self.stats) and (expected is None or halves >= expected)
 
     @property
     def deliverable(self) -> bool:
@@ -233,18 +241,15 @@ class RequestJoin:
             ready += self._take_if_joined(key)
         self._deliver(ready)
 
-    def request_ended(self, request_id: str, entry: InFlight, early: bool = False) -> None:
-        """The response is complete, or ended `early` (client gone): every engine request
-        it became has produced its output. A request whose count was known and whose halves
-        are all in was delivered already: nothing to keep. Otherwise the entry is kept for
-        halves still to come (an aborted request's model and start time); a join with no
-        half is dropped after `timeout`."""
+    def request_ended(self, request_id: str, entry: InFlight) -> None:
+        """The response is complete, or ended early (client gone): every engine request it
+        became has produced its output, and its halves may be counted. The entry is kept
+        for halves still to come (an aborted request's model and start time); a join with
+        no half is dropped after `timeout`."""
         key = kvlease_id(request_id)
         if key is None or not self.consumers:
             return
         with self._lock:
-            if key not in self._pending and not early and entry.engine_requests is not None:
-                return
             pending, ready = self._get(key)
             pending.entry = pending.entry or entry
             pending.response_ended = True

@@ -33,6 +33,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from pydantic import TypeAdapter, ValidationError
 
 from engine.affinity import RANK_HEADER, session_rank
 from engine.auth import (
@@ -100,8 +101,22 @@ GENERATION_PATHS = frozenset(
         RESPONSES_PATH,
         "/v1/messages",
         "/inference/v1/generate",
+        "/invocations",
     }
 )
+# Tenant routes that never make an engine request (and /v1/responses/<id>[/cancel]).
+ENGINE_FREE_PATHS = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/v1/chat/completions/render",
+        "/v1/completions/render",
+        "/v1/messages/count_tokens",
+    }
+)
+# Tenant routes whose request models have no `vllm_xargs`: their engine requests would run
+# unclassified and unbilled, so kvlease does not serve them to tenants.
+REFUSED_PATHS = frozenset({"/v1/systemone"})
 # kvlease chooses the request id, the priority and the rank (engine.affinity), not clients.
 DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority", RANK_HEADER})
 SESSION_HEADER = b"x-session-id"
@@ -196,6 +211,15 @@ def _is_metrics(path: str) -> bool:
     return path == "/metrics" or path.startswith("/metrics/")
 
 
+def _is_preflight(scope: Scope) -> bool:
+    """A CORS preflight as Starlette's CORSMiddleware recognises one (and answers itself)."""
+    return (
+        scope["method"] == "OPTIONS"
+        and _header(scope, b"origin") is not None
+        and _header(scope, b"access-control-request-method") is not None
+    )
+
+
 async def _multiprocess_metrics(send: Send) -> None:
     """`/metrics` under `--api-server-count` > 1. vLLM's own route then reads only
     prometheus_client's multiprocess files, so it would miss kvlease's collector; this
@@ -227,22 +251,54 @@ def route_class(path: str) -> str:
 def engine_requests(path: str, doc: dict[str, Any]) -> int | None:
     """How many engine requests vLLM makes of this body (None: only known at its end).
 
-    `n` choices per prompt; a list of prompts on /v1/completions; one conversation each
-    on /v1/chat/completions/batch; /v1/responses may loop through sub-requests (tools).
-    A malformed field counts as 1: vLLM refuses the body before any engine request."""
+    Fields are read as vLLM's request models read them (pydantic's lax mode: `"n": 3.0`
+    and `"n": "3"` are 3). `n` choices per prompt; a list of prompts on /v1/completions
+    and on /invocations, which serves a completion body as /v1/completions does; one
+    conversation each on /v1/chat/completions/batch; /v1/responses may loop through
+    sub-requests (tools). A malformed field counts as 1: vLLM refuses the body before any
+    engine request. The join also waits for the response's end, so a count that comes
+    out low never cuts a record short (exporters.join)."""
     if path == RESPONSES_PATH:
         return None
     params = doc.get("sampling_params") if path == "/inference/v1/generate" else doc
-    n = params.get("n", 1) if isinstance(params, dict) else 1
-    n = n if type(n) is int and n >= 1 else 1
+    n = _lax(int, params.get("n", 1)) if isinstance(params, dict) else 1
+    n = n if isinstance(n, int) and n >= 1 else 1
     if path == "/v1/chat/completions/batch":
         conversations = doc.get("messages")
         return len(conversations) if isinstance(conversations, list) and conversations else 1
     prompt = doc.get("prompt")
-    if path == "/v1/completions" and isinstance(prompt, list) and prompt:
+    completion = path == "/v1/completions" or (path == "/invocations" and "messages" not in doc)
+    if completion and isinstance(prompt, list) and prompt:
         one_prompt_of_token_ids = all(type(t) is int for t in prompt)
         return n if one_prompt_of_token_ids else n * len(prompt)
     return n
+
+
+def makes_engine_requests(path: str) -> bool:
+    """Whether a POST on this tenant route may become engine requests."""
+    return path not in ENGINE_FREE_PATHS and not path.startswith(f"{RESPONSES_PATH}/")
+
+
+def refused_fields(doc: dict[str, Any]) -> str | None:
+    """Why vLLM may not run this body for a tenant, or None.
+
+    Beam search sends each step as new engine requests built without the body's
+    `vllm_xargs`, `cache_salt` and `priority`: they would run unclassified, at priority 0
+    and unsalted, and bill one token of each."""
+    if _lax(bool, doc.get("use_beam_search", False)) is True:
+        return "beam search (use_beam_search) is not served by kvlease"
+    return None
+
+
+_ADAPTERS: dict[type, TypeAdapter] = {int: TypeAdapter(int), bool: TypeAdapter(bool)}
+
+
+def _lax(kind: type, value: Any) -> Any:
+    """`value` as pydantic's lax mode (vLLM's request models) reads it, or None."""
+    try:
+        return _ADAPTERS[kind].validate_python(value)
+    except ValidationError:
+        return None
 
 
 class TenantMiddleware:
@@ -266,11 +322,16 @@ class TenantMiddleware:
             # A websocket body cannot be rewritten, so it would reach the engine unsalted.
             await send({"type": "websocket.close", "code": 1008, "reason": "not served"})
             return
-        klass = "public"  # lifespan, and CORS preflights (they carry no credentials)
-        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+        klass = "public"  # lifespan
+        if scope["type"] == "http":
             klass = route_class(scope["path"])
             if self.config.metrics_auth and _is_metrics(scope["path"]):
                 klass = "metrics"
+            elif _is_preflight(scope):
+                # A CORS preflight carries no credentials; vLLM's CORSMiddleware, inside
+                # this one, answers it without reaching a route. Any other OPTIONS request
+                # reaches the route like a GET would, so it is checked like one.
+                klass = "public"
         if klass == "public":
             if _is_metrics(scope.get("path", "")) and multiprocess():
                 await _multiprocess_metrics(send)
@@ -316,6 +377,10 @@ class TenantMiddleware:
         response: the usage record committed before the last byte."""
         if self._someone_elses_response(scope["path"], ctx):
             await send_error(send, 404, "no such response", "not_found")
+            return
+        if scope["path"] in REFUSED_PATHS:
+            msg = f"{scope['path']} is not served by kvlease: its requests cannot be billed"
+            await send_error(send, 404, msg, "not_supported")
             return
         ctx = await self._session(scope, send, ctx)
         if ctx is None:
@@ -383,19 +448,21 @@ class TenantMiddleware:
             receive = rewritten
 
         join, writer = TELEMETRY.join, TELEMETRY.writer
-        generation = scope["path"] in GENERATION_PATHS
         record = None  # resolved once this request's usage record has committed
-        if writer is not None and generation:
+        if writer is not None and scope["path"] in GENERATION_PATHS:
             record = writer.expect(request_id)
-        response = _Response(send, scope["path"], request_id, entry, record, generation, headers)
+        # Any POST on a tenant route may become engine requests (pooling routes, routes a
+        # newer vLLM adds): the join hears of its end, so every one of them is billed.
+        engine = scope["method"] == "POST" and makes_engine_requests(scope["path"])
+        response = _Response(send, scope["path"], request_id, entry, record, engine, headers)
         join.in_flight[request_id] = entry
         try:
             await self.app(scope, receive, response.send)
         finally:
             if record is not None:
                 writer.forget(request_id)
-            if generation and not response.ended:
-                join.request_ended(request_id, entry, early=True)  # record from the engine alone
+            if engine and not response.ended:
+                join.request_ended(request_id, entry)  # ended early: the engine half alone
             join.in_flight.pop(request_id, None)
 
     async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
@@ -440,6 +507,15 @@ class TenantMiddleware:
             await send_error(send, 400, f"request body is not valid JSON: {reason}", "invalid_json")
             return None
         if isinstance(doc, dict):
+            refused = refused_fields(doc)
+            if refused is not None:
+                await send_error(send, 400, refused, "unsupported_parameter")
+                return None
+            if not self._may_continue(doc, entry.ctx):
+                # The same answer as vLLM's for an id it never stored: ids cannot be probed.
+                msg = f"Response with id '{doc['previous_response_id']}' not found."
+                await send_error(send, 404, msg, "not_found")
+                return None
             body = self._with_tenant_fields(doc, scope["path"], entry, request_id)
             scope["headers"] = [
                 (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
@@ -461,6 +537,13 @@ class TenantMiddleware:
             return False
         return "admin" not in ctx.roles and self._response_owner.get(parts[3]) != ctx.tenant_id
 
+    def _may_continue(self, doc: dict[str, Any], ctx: TenantContext) -> bool:
+        """A `previous_response_id` names one of this tenant's own stored responses."""
+        previous = doc.get("previous_response_id")
+        if previous is None or "admin" in ctx.roles:
+            return True
+        return self._response_owner.get(str(previous)) == ctx.tenant_id
+
     def _remember_response(self, response_id: str, tenant_id: str) -> None:
         self._response_owner[response_id] = tenant_id
         if len(self._response_owner) > MAX_RESPONSE_OWNERS:
@@ -481,6 +564,11 @@ class TenantMiddleware:
             doc["sampling_params"]["extra_args"] = ctx.extra_args()
         doc["cache_salt"] = self.config.cache_salt(ctx.tenant_id)
         doc["priority"] = self.config.tiers[ctx.tier].priority
+        # vLLM's own session field (KV events, its routers) names the verified session,
+        # scoped by tenant, never what the client wrote.
+        doc.pop("session_id", None)
+        if ctx.session_id is not None:
+            doc["session_id"] = f"{ctx.tenant_id}/{ctx.session_id}"
         return json.dumps(doc).encode()
 
 
@@ -496,12 +584,12 @@ class _Response:
         request_id: str,
         entry: InFlight,
         record: asyncio.Future | None,
-        generation: bool,
+        engine: bool,
         headers=(),
     ) -> None:
         self._send, self.path, self.request_id, self.record = send, path, request_id, record
         self.headers = [(b"x-request-id", request_id.encode()), *headers]
-        self.entry, self.generation = entry, generation
+        self.entry, self.engine = entry, engine
         self.unsupported = False
         self.hold = False
         self.ended = False  # the last body chunk went out
@@ -518,7 +606,7 @@ class _Response:
         elif self.unsupported:
             return
         elif not message.get("more_body", False):
-            if self.generation:
+            if self.engine:
                 # Every engine request has produced its output: the join may count them.
                 TELEMETRY.join.request_ended(self.request_id, self.entry)
             if self.hold:

@@ -300,9 +300,29 @@ def test_the_limit_counts_a_request_before_its_body_arrives(config, hs_ring, tie
     assert app.in_flight == {}
 
 
+PREFLIGHT = [("Origin", "https://chat.example"), ("Access-Control-Request-Method", "POST")]
+
+
 def test_cors_preflights_are_not_refused(app):
-    status, _, _ = call(app, "/v1/chat/completions", method="OPTIONS")
+    status, _, _ = call(app, "/v1/chat/completions", method="OPTIONS", headers=PREFLIGHT)
     assert status == 200  # answered by the app (vLLM's CORS middleware), not a 401
+
+
+def test_an_options_request_that_is_no_preflight_needs_a_token(app):
+    """OPTIONS reaches the route as a GET would (vLLM's /metrics app answers any method)."""
+    for path in ("/v1/chat/completions", "/admin/state"):
+        assert call(app, path, method="OPTIONS")[0] == 401
+    assert call(app, "/v1/chat/completions", method="OPTIONS", headers=PREFLIGHT[:1])[0] == 401
+
+
+@pytest.mark.parametrize("headers", [(), PREFLIGHT])
+def test_options_never_opens_metrics_behind_metrics_auth(config, headers):
+    import dataclasses
+
+    app = TenantMiddleware(Recorder(), dataclasses.replace(config, metrics_auth=True))
+    for path in ("/metrics", "/metrics/", "/metrics/x"):
+        assert call(app, path, method="OPTIONS", headers=headers)[0] == 401
+    assert app.app.calls == []
 
 
 @pytest.mark.parametrize(
@@ -310,6 +330,12 @@ def test_cors_preflights_are_not_refused(app):
     [
         ("/v1/chat/completions", {"messages": [], "n": 3}, 3),
         ("/v1/chat/completions", {"n": "three"}, 1),  # vLLM refuses it: no engine request
+        ("/v1/chat/completions", {"n": 3.0}, 3),  # vLLM's models coerce as pydantic does
+        ("/v1/chat/completions", {"n": "3"}, 3),
+        ("/v1/chat/completions", {"n": 2.5}, 1),  # refused by vLLM
+        ("/v1/completions", {"prompt": ["a", "b", "c"], "n": "2"}, 6),
+        ("/invocations", {"prompt": ["a", "b", "c"]}, 3),  # served as /v1/completions
+        ("/invocations", {"messages": [{}], "n": 2}, 2),  # served as chat
         ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, 4),
         ("/v1/completions", {"prompt": [1, 2, 3]}, 1),  # one prompt of token ids
         ("/v1/completions", {"prompt": [[1, 2], [3]]}, 2),
@@ -320,6 +346,49 @@ def test_cors_preflights_are_not_refused(app):
 )
 def test_engine_requests_are_counted_from_the_body(path, doc, expected):
     assert engine_requests(path, doc) == expected
+
+
+@pytest.mark.parametrize("value", [True, "true", 1, "yes"])
+def test_beam_search_is_refused_before_the_engine(app, hs_ring, tiers, value):
+    """Its step requests would run without the tenant's fields, salt and priority."""
+    body = json.dumps({"model": "m", "prompt": "hi", "use_beam_search": value}).encode()
+    status, _, out = call(app, "/v1/completions", body=body, headers=[bearer(hs_ring, tiers), JSON])
+    assert status == 400 and json.loads(out)["error"]["code"] == "unsupported_parameter"
+    assert app.app.calls == []
+
+
+def test_beam_search_off_is_served(app, hs_ring, tiers):
+    body = json.dumps({"model": "m", "prompt": "hi", "use_beam_search": "false"}).encode()
+    assert call(app, "/v1/completions", body=body, headers=[bearer(hs_ring, tiers), JSON])[0] == 200
+
+
+def test_vllms_session_field_is_the_verified_session(app, hs_ring, tiers):
+    body = json.dumps({"model": "m", "messages": [], "session_id": "someone-else"}).encode()
+    path = "/v1/chat/completions"
+    call(app, path, body=body, headers=[bearer(hs_ring, tiers, session_id="s1"), JSON])
+    call(app, path, body=body, headers=[bearer(hs_ring, tiers), JSON])
+    sent = [json.loads(b).get("session_id") for _, b in app.app.calls]
+    assert sent == ["acme/s1", None]
+
+
+def test_only_the_owner_continues_a_stored_response(app, hs_ring, tiers):
+    """Another tenant's id and a made-up one get the same 404: ids cannot be probed."""
+    first = json.dumps({"model": "m", "input": "hi"}).encode()
+    _, headers, _ = call(app, "/v1/responses", body=first, headers=[bearer(hs_ring, tiers), JSON])
+    mine = f"resp_{headers[b'x-request-id'].decode()}"
+    answers = {}
+    for tenant, previous in (("acme", mine), ("mallory", mine), ("mallory", "resp_made_up")):
+        body = json.dumps({"model": "m", "input": "go on", "previous_response_id": previous})
+        status, _, out = call(
+            app, "/v1/responses", body=body.encode(), headers=[bearer(hs_ring, tiers, tenant), JSON]
+        )
+        answers[(tenant, previous)] = (status, json.loads(out) if status != 200 else None)
+    assert answers[("acme", mine)][0] == 200
+    theirs, made_up = answers[("mallory", mine)], answers[("mallory", "resp_made_up")]
+    assert theirs[0] == made_up[0] == 404
+    assert theirs[1]["error"]["message"].replace(mine, "X") == made_up[1]["error"][
+        "message"
+    ].replace("resp_made_up", "X")
 
 
 def test_a_response_is_named_with_the_request_id(app, hs_ring, tiers):

@@ -46,12 +46,15 @@ def _done(status: str, request_id: str = KVL, output: int = 5) -> RequestDone:
     return RequestDone(0.0, request_id, None, None, None, status, 0, 0, 0.5, 10, output)
 
 
-def test_both_halves_deliver_at_once_in_either_order(join):
+def test_both_halves_deliver_at_the_responses_end_in_either_order(join):
     j, _ = join
     entry = _entry()
     j.request_stats(_stats(), entry)
     j.engine_event(_done("finished_stopped"))
+    j.request_ended(KVL, entry)
+    j.request_ended(OTHER, _entry())  # the response may end before either half arrives
     j.engine_event(_done("finished_length", OTHER))
+    assert [p.key for p in j.delivered] == [KVL]
     j.request_stats(_stats(f"cmpl-{OTHER}"), None)
     assert [(p.key, p.joined) for p in j.delivered] == [(KVL, True), (OTHER, True)]
     assert j.delivered[0].entry is entry and not j.delivered[0].partial
@@ -60,11 +63,12 @@ def test_both_halves_deliver_at_once_in_either_order(join):
 def test_a_fan_out_is_one_record_with_its_children_summed(join):
     """n=3: three engine requests under one kvl- id, each with both halves."""
     j, _ = join
-    j.in_flight[KVL] = _entry(engine_requests=3)
+    j.in_flight[KVL] = entry = _entry(engine_requests=3)
     for i, output in enumerate((100, 200, 300)):
         j.request_stats(_stats(f"chatcmpl-{KVL}", output), None)  # vLLM: one external id
-        assert j.delivered == []
         j.engine_event(_done("finished_length", f"{i}_chatcmpl-{KVL}-0a1b2c3d", output))
+        assert j.delivered == []
+    j.request_ended(KVL, entry)
     [p] = j.delivered
     record = to_record(p)
     assert (record.output_tokens, record.input_tokens, record.kv_block_seconds) == (600, 30, 1.5)
@@ -76,8 +80,35 @@ def test_a_complete_response_leaves_nothing_behind_once_delivered(join):
     entry = _entry()
     j.request_stats(_stats(), entry)
     j.engine_event(_done("finished_stopped"))
-    j.request_ended(KVL, entry)  # the final byte, after the record was delivered
+    j.request_ended(KVL, entry)  # the final byte
     assert len(j.delivered) == 1 and j._pending == {}
+
+
+def test_a_fan_out_beyond_the_bodys_count_is_billed_whole(join):
+    """The body said one engine request; vLLM ran four (a coerced `n`, a route that fans
+    out on its own): the record sums all four, it is not cut at the first."""
+    j, _ = join
+    j.in_flight[KVL] = entry = _entry(engine_requests=1)
+    for i in range(4):
+        j.request_stats(_stats(f"chatcmpl-{KVL}", 12), None)
+        j.engine_event(_done("finished_length", f"{i}_chatcmpl-{KVL}-0a1b2c3d", 12))
+    assert j.delivered == []
+    j.request_ended(KVL, entry)
+    [p] = j.delivered
+    assert (p.output_tokens, p.prompt_tokens, p.partial) == (48, 40, False)
+
+
+def test_the_bodys_count_is_a_floor_for_halves_still_on_the_way(join):
+    j, _ = join
+    j.in_flight[KVL] = entry = _entry(engine_requests=2)
+    j.request_stats(_stats(f"chatcmpl-{KVL}"), None)
+    j.engine_event(_done("finished_length", f"0_chatcmpl-{KVL}-0a1b2c3d"))
+    j.request_ended(KVL, entry)
+    assert j.delivered == []  # the second child's halves are still on the channel
+    j.engine_event(_done("finished_length", f"1_chatcmpl-{KVL}-0a1b2c3d"))
+    j.request_stats(_stats(f"chatcmpl-{KVL}"), None)
+    [p] = j.delivered
+    assert p.output_tokens == 10 and not p.partial
 
 
 def test_an_unknown_fan_out_waits_for_the_responses_end(join):
@@ -103,7 +134,7 @@ def test_an_unknown_fan_out_waits_for_the_responses_end(join):
 def test_an_engine_half_alone_is_delivered_after_its_wait(join, status, wait, partial):
     j, clock = join
     entry = _entry()
-    j.request_ended(KVL, entry, early=True)  # the response ended early
+    j.request_ended(KVL, entry)  # the response ended early
     j.engine_event(_done(status))
     clock.now += wait - 0.1
     j.sweep()
@@ -127,7 +158,7 @@ def test_stats_without_an_engine_half_are_delivered_flagged_after_the_timeout(jo
 def test_an_entry_alone_is_dropped_after_the_timeout(join):
     """A response that ended early for a request the engine never saw has no record."""
     j, clock = join
-    j.request_ended(KVL, _entry(), early=True)
+    j.request_ended(KVL, _entry())
     clock.now += 30
     j.sweep()
     j.flush()
@@ -137,7 +168,7 @@ def test_an_entry_alone_is_dropped_after_the_timeout(join):
 def test_flush_delivers_every_half_join(join):
     j, _ = join
     j.engine_event(_done("finished_stopped"))
-    j.request_ended(OTHER, _entry(), early=True)
+    j.request_ended(OTHER, _entry())
     j.flush()
     assert [(p.key, p.partial) for p in j.delivered] == [(KVL, True)]
 

@@ -432,3 +432,87 @@ def test_a_response_is_billed_once_and_not_held_past_its_commit(loaded, usage_db
 
     with pytest.raises(openai.NotFoundError):  # another tenant never sees it
         _openai(loaded, "resp-other").responses.retrieve(response.id)
+
+
+@pytest.mark.parametrize(("tenant", "n"), [("fan-float", 3.0), ("fan-string", "3")])
+def test_an_n_that_vllm_coerces_is_billed_whole(loaded, usage_db, tenant, n):
+    """vLLM's request models read `3.0` and `"3"` as 3: three engine requests, all billed."""
+    r = httpx.post(
+        f"{loaded.url}/v1/chat/completions",
+        timeout=60,
+        headers=loaded.headers(tenant, "standard"),
+        json={
+            "model": "kvlease-demo",
+            "messages": [{"role": "user", "content": "three answers"}],
+            "n": n,
+            "max_tokens": 12,
+            "ignore_eos": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3 and r.json()["usage"]["completion_tokens"] == 36
+    assert _record(usage_db, tenant).output_tokens == 36 == _output_counter(loaded, tenant)
+
+
+def test_a_list_of_prompts_through_invocations_is_billed_whole(loaded, usage_db):
+    r = httpx.post(
+        f"{loaded.url}/invocations",
+        timeout=60,
+        headers=loaded.headers("fan-invoke", "standard"),
+        json={
+            "model": "kvlease-demo",
+            "prompt": ["first prompt", "second prompt", "third prompt"],
+            "max_tokens": 12,
+            "ignore_eos": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 36
+    record = _record(usage_db, "fan-invoke")
+    assert record.output_tokens == 36 == _output_counter(loaded, "fan-invoke")
+    assert record.input_tokens == r.json()["usage"]["prompt_tokens"]
+
+
+def test_beam_search_is_refused_and_never_reaches_the_engine(loaded, usage_db):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        _openai(loaded, "beam").completions.create(
+            model="kvlease-demo",
+            prompt="a beam",
+            n=2,
+            max_tokens=12,
+            extra_body={"use_beam_search": True},
+        )
+    assert refused.value.body["code"] == "unsupported_parameter"
+    assert _output_counter(loaded, "beam") == 0
+    assert [r for r in _ledger_records(usage_db) if r.tenant_id == "beam"] == []
+
+
+def test_every_generation_route_of_vllms_router_is_billed_or_refused(loaded):
+    """Every POST route vLLM serves to tenants is one kvlease bills (its usage record held
+    to its response), knows makes no engine request, or refuses. A vLLM that adds a route
+    fails here until it is classified."""
+    from server.middleware import (
+        GENERATION_PATHS,
+        REFUSED_PATHS,
+        makes_engine_requests,
+        route_class,
+    )
+
+    spec = httpx.get(f"{loaded.url}/openapi.json", timeout=30).json()
+    tenant_posts = [
+        path.replace("{response_id}", "resp_x")
+        for path, methods in spec["paths"].items()
+        if "post" in methods and route_class(path.replace("{response_id}", "resp_x")) == "tenant"
+    ]
+    assert "/v1/chat/completions" in tenant_posts and "/invocations" in tenant_posts
+    unclassified = [
+        path
+        for path in tenant_posts
+        if path not in GENERATION_PATHS | REFUSED_PATHS and makes_engine_requests(path)
+    ]
+    assert unclassified == []
+    for path in REFUSED_PATHS & set(tenant_posts):
+        r = httpx.post(f"{loaded.url}{path}", json={}, headers=loaded.headers("t"), timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_supported"
