@@ -23,7 +23,7 @@ from typing import Any
 import jwt
 
 from engine.labels import OTHER, UNCLASSIFIED
-from engine.tenancy import TenantContext, TierTable
+from engine.tenancy import MAX_WEIGHT, MIN_WEIGHT, TenantContext, TierTable, valid_weight
 
 HS256_KEY_ENV = "KVLEASE_JWT_SECRET"  # the variable's name; the key lives only there
 KEYS_ENV = "KVLEASE_JWT_KEYS"
@@ -106,8 +106,13 @@ class KeyRing:
         return cls({None: key}, None)
 
     @classmethod
-    def from_jwks(cls, doc: Any, source: str = "<jwks>") -> KeyRing:
-        if not isinstance(doc, Mapping) or not isinstance(doc.get("keys"), list) or not doc["keys"]:
+    def from_jwks(cls, doc: Any, source: str = "<jwks>", allow_empty: bool = False) -> KeyRing:
+        """The ring a JWKS document holds. `allow_empty`: `{"keys": []}` is a ring that
+        verifies nothing (a reloaded file saying "no keys" revokes every key); at start a
+        server needs at least one key."""
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("keys"), list):
+            raise KeyConfigError(f'{source}: a JWKS document needs a "keys" list')
+        if not doc["keys"] and not allow_empty:
             raise KeyConfigError(f'{source}: a JWKS document needs a non-empty "keys" list')
         keys: dict[str | None, Key] = {}
         signing_kid = None
@@ -139,7 +144,7 @@ class KeyRing:
         return cls(keys, signing_kid)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> KeyRing:
+    def from_file(cls, path: str | os.PathLike[str], allow_empty: bool = False) -> KeyRing:
         file = Path(path)
         try:
             doc = json.loads(file.read_text(encoding="utf-8"))
@@ -147,7 +152,7 @@ class KeyRing:
             raise KeyConfigError(f"{file}: cannot read key file: {exc.strerror}") from None
         except json.JSONDecodeError as exc:
             raise KeyConfigError(f"{file}: not valid JSON: {exc}") from None
-        return cls.from_jwks(doc, source=str(file))
+        return cls.from_jwks(doc, source=str(file), allow_empty=allow_empty)
 
     @classmethod
     def from_config(cls, keys_path: str | os.PathLike[str] | None = None) -> KeyRing:
@@ -291,7 +296,7 @@ class Authenticator:
             return
         self._key_stamp = stamp
         try:
-            self.keyring = KeyRing.from_file(self._key_file)
+            self.keyring = KeyRing.from_file(self._key_file, allow_empty=True)
         except KeyConfigError as exc:
             logger.error(
                 "kvlease: key file changed but does not load, keeping the old ring: %s", exc
@@ -312,6 +317,8 @@ class Authenticator:
         alg = header.get("alg")
         if not isinstance(alg, str) or alg.lower() == "none":
             raise _unauthorized("unsupported_algorithm", "unsigned tokens (alg 'none') are refused")
+        if not self.keyring.keys:
+            raise _unauthorized("unknown_kid", "no key is configured: every token is refused")
         kid = header.get("kid")
         if kid is not None and not isinstance(kid, str):
             raise _unauthorized("malformed_token", "the token header's 'kid' must be a string")
@@ -355,9 +362,11 @@ class Authenticator:
             raise _unauthorized("invalid_claim", "token audience ('aud') is not accepted") from None
         except jwt.InvalidIssuerError:
             raise _unauthorized("invalid_claim", "token issuer ('iss') is not accepted") from None
-        except (jwt.PyJWTError, ValueError, TypeError, OverflowError) as exc:
+        except (jwt.PyJWTError, ValueError, TypeError, OverflowError):
             # DecodeError and friends, and non-numeric exp/nbf/iat values.
-            raise _unauthorized("malformed_token", f"token is not valid: {exc}") from None
+            raise _unauthorized(
+                "malformed_token", "token is not valid: its claims do not decode"
+            ) from None
 
     def _context(self, claims: Mapping[str, Any]) -> TenantContext:
         tenant_id = claims["tenant_id"]
@@ -365,6 +374,15 @@ class Authenticator:
             raise _unauthorized("invalid_claim", f"'tenant_id' must be {ID_RULE}")
         if tenant_id in RESERVED_TENANTS:
             raise _unauthorized("invalid_claim", f"tenant id {tenant_id!r} is reserved")
+        for name in ("exp", "nbf", "iat"):
+            value = claims.get(name)
+            # PyJWT reads "123" as 123; kvlease's own arithmetic must never meet a string.
+            if value is not None and not (
+                isinstance(value, int | float) and not isinstance(value, bool)
+            ):
+                raise _unauthorized("invalid_claim", f"'{name}' must be a number (NumericDate)")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _unauthorized("invalid_claim", f"'{name}' must be a finite number")
         lifetime = self.settings.max_token_lifetime
         if claims["exp"] - time.time() > lifetime + self.settings.leeway_seconds:
             raise _unauthorized(
@@ -380,8 +398,11 @@ class Authenticator:
             raise _unauthorized("invalid_claim", f"'session_id' must be {ID_RULE}")
         weight = claims.get("weight")
         if weight is not None:
-            if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
-                raise _unauthorized("invalid_claim", "'weight' must be a number above 0")
+            if not valid_weight(weight):
+                raise _unauthorized(
+                    "invalid_claim",
+                    f"'weight' must be a finite number from {MIN_WEIGHT} to {MAX_WEIGHT}",
+                )
             if weight > self.tiers[tier].max_weight:
                 raise AuthError(
                     403,
@@ -431,9 +452,9 @@ def mint_token(
             raise KeyConfigError(f"{what} id must be {ID_RULE}, got {value!r}")
     if tenant_id in RESERVED_TENANTS:
         raise KeyConfigError(f"tenant id {tenant_id!r} is reserved by kvlease")
-    if weight is not None and not 0 < weight <= tiers[tier].max_weight:
+    if weight is not None and not (valid_weight(weight) and weight <= tiers[tier].max_weight):
         raise KeyConfigError(
-            f"weight must be above 0 and at most tier {tier!r}'s max_weight "
+            f"weight must be a finite number from {MIN_WEIGHT} to tier {tier!r}'s max_weight "
             f"{tiers[tier].max_weight}, got {weight}"
         )
     role_list = sorted(set(roles))

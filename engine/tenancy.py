@@ -9,12 +9,13 @@ token names a tier, the table says what that tier means.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,36 @@ class Prices:
 
     @classmethod
     def from_basis(cls, basis: str) -> tuple[str, Prices]:
-        """(currency, prices) from `basis()`'s text."""
+        """(currency, prices) from `basis()`'s text; ValueError if any price is not one
+        `unit_price` accepts (an imported record's basis is input like any other)."""
         doc = json.loads(basis)
-        return doc.pop("currency"), cls(**{k: Decimal(v) for k, v in doc.items()})
+        if not isinstance(doc, dict) or set(doc) != {"currency", *_PRICE_KEYS}:
+            raise ValueError("a price basis names a currency and the four prices")
+        currency = doc.pop("currency")
+        if not isinstance(currency, str) or not currency.isalpha() or len(currency) != 3:
+            raise ValueError(f"currency must be a three-letter code, got {currency!r}")
+        return currency, cls(**{k: unit_price(v) for k, v in doc.items()})
+
+
+# The largest unit price kvlease bills (per 1k tokens or per block-hour): far above any
+# real price, small enough that no bill of 64-bit token counts overflows a decimal column.
+MAX_UNIT_PRICE = Decimal(1_000_000)
+
+
+def unit_price(raw: Any) -> Decimal:
+    """A price as a Decimal: finite, >= 0, at most MAX_UNIT_PRICE, at most 12 decimal
+    places; ValueError with the reason otherwise (NaN, sNaN, 1E+999999, -1000)."""
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+        raise ValueError(f"a price is a decimal string or number, got {raw!r}")
+    try:
+        price = Decimal(str(raw))
+    except InvalidOperation:
+        raise ValueError(f"not a decimal: {str(raw)[:40]!r}") from None
+    if not price.is_finite() or not 0 <= price <= MAX_UNIT_PRICE:
+        raise ValueError(f"a price must be a finite amount from 0 to {MAX_UNIT_PRICE}")
+    if price != price.quantize(Decimal("1e-12"), rounding=ROUND_DOWN):
+        raise ValueError("a price has at most 12 decimal places")
+    return price
 
 
 @dataclass(frozen=True)
@@ -74,8 +102,10 @@ class Tier:
     max_tenant_kv_share: float = 1.0  # fraction of the pool one tenant may hold (1: no cap)
 
     def tenant_weight(self, claimed: Any) -> float:
-        """A request's weight: its token's claim, bounded by the table, else the default."""
-        if isinstance(claimed, bool) or not isinstance(claimed, int | float) or claimed <= 0:
+        """A request's weight: its token's claim, bounded by the table, else the default.
+        A claim outside `valid_weight` (NaN, infinite, below MIN_WEIGHT) is ignored: its
+        counter would become NaN or infinite and freeze fair share and the snapshot."""
+        if not valid_weight(claimed):
             return self.weight
         return min(float(claimed), self.max_weight)
 
@@ -203,9 +233,25 @@ def _reject_unknown(table: Mapping[str, Any], allowed: frozenset[str], where: st
         raise fail(f"unknown key '{unknown[0]}' in {where} (allowed: {', '.join(sorted(allowed))})")
 
 
+# The smallest fair-share weight: a tenant's counter grows by tokens / weight, so a
+# smaller weight (1e-320 is a valid float) overflows it to infinity.
+MIN_WEIGHT = 0.001
+MAX_WEIGHT = 1000.0
+
+
+def valid_weight(value: Any) -> bool:
+    """A finite number in [MIN_WEIGHT, MAX_WEIGHT] (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and MIN_WEIGHT <= value <= MAX_WEIGHT
+    )
+
+
 def _number(value: Any, where: str, fail) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise fail(f"{where} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise fail(f"{where} must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -234,8 +280,11 @@ def _parse_tier(name: str, body: Any, fail) -> Tier:
         raise fail(f"{where}: 'max_concurrent_requests' must be an integer >= 1, got {limit!r}")
     weight = _number(body.get("weight", 1.0), f"{where}: 'weight'", fail)
     max_weight = _number(body.get("max_weight", weight), f"{where}: 'max_weight'", fail)
-    if not 0 < weight <= max_weight:
-        raise fail(f"{where}: need 0 < 'weight' <= 'max_weight', got {weight!r} and {max_weight!r}")
+    if not (valid_weight(weight) and valid_weight(max_weight) and weight <= max_weight):
+        raise fail(
+            f"{where}: need {MIN_WEIGHT} <= 'weight' <= 'max_weight' <= {MAX_WEIGHT}, "
+            f"got {weight!r} and {max_weight!r}"
+        )
     share = _number(body.get("max_tenant_kv_share", 1.0), f"{where}: 'max_tenant_kv_share'", fail)
     if not 0.0 < share <= 1.0:
         raise fail(
@@ -254,14 +303,8 @@ def _parse_prices(body: Any, where: str, fail) -> Prices:
     for key in _PRICE_KEYS:
         if key not in body:
             raise fail(f"{where}: missing price '{key}'")
-        raw = body[key]
-        if isinstance(raw, bool) or not isinstance(raw, str | int | float):
-            raise fail(f"{where}: price '{key}' must be a decimal string or number, got {raw!r}")
         try:
-            price = Decimal(str(raw))
-        except InvalidOperation:
-            raise fail(f"{where}: price '{key}' is not a decimal: {raw!r}") from None
-        if not price.is_finite() or price < 0:
-            raise fail(f"{where}: price '{key}' must be a finite amount >= 0, got {raw!r}")
-        values[key] = price
+            values[key] = unit_price(body[key])
+        except ValueError as exc:
+            raise fail(f"{where}: price '{key}': {exc}") from None
     return Prices(**values)

@@ -143,6 +143,10 @@ def test_claims_of_the_wrong_shape_are_invalid(auth, secret, bad):
 def test_a_weight_claim_is_checked_against_the_tier(auth, secret, hs_ring, tiers):
     assert _refused(auth, _sign(secret, _claims(weight="heavy"))).code == "invalid_claim"
     assert _refused(auth, _sign(secret, _claims(weight=0))).status == 401
+    for bad in (float("nan"), float("inf"), 1e-320):  # NaN and 1e-320 froze the snapshot
+        assert _refused(auth, _sign(secret, _claims(weight=bad))).code == "invalid_claim"
+    with pytest.raises(KeyConfigError, match="finite number"):
+        mint_token(hs_ring, tiers, tenant_id="acme", tier="premium", weight=1e-320)
     above = _refused(auth, _sign(secret, _claims(weight=tiers["premium"].max_weight + 1)))
     assert (above.status, above.code) == (403, "weight_not_allowed")
     token = mint_token(hs_ring, tiers, tenant_id="acme", tier="premium", weight=1.0)
@@ -292,7 +296,8 @@ def test_two_key_sources_at_once_is_a_clear_error(monkeypatch, tmp_path, secret)
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ({}, 'non-empty "keys" list'),
+        ({}, 'needs a "keys" list'),
+        ({"keys": []}, 'non-empty "keys" list'),
         ({"keys": [{"kty": "oct", "k": "abc", "alg": "HS256"}]}, 'needs a "kid"'),
         ({"keys": [{"kty": "oct", "k": "abc", "kid": "a"}]}, '"alg" must be one of'),
         ({"keys": [{"kty": "oct", "k": "abc", "kid": "a", "alg": "none"}]}, '"alg" must be'),
@@ -387,3 +392,31 @@ def test_a_kid_removed_from_the_key_file_stops_verifying_without_a_restart(tiers
     keys.write_text("{not json")  # a broken edit keeps the ring that works
     clock[0] += 2.0
     assert _refused(auth, old_token).code == "unknown_kid"
+
+
+def test_a_key_file_that_says_no_keys_revokes_every_key(tiers, tmp_path):
+    """`{"keys": []}` is how an operator says "no keys"; a broken or deleted file is not."""
+    jwk = private_jwk("2026-11", "ES256")
+    token = mint_token(KeyRing.from_jwks({"keys": [jwk]}), tiers, tenant_id="a", tier="free")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [public_half(jwk)]}))
+    clock = [0.0]
+    auth = Authenticator(KeyRing.from_file(keys), tiers, key_file=keys, clock=lambda: clock[0])
+    for broken in ("", "{not json"):
+        keys.write_text(broken)
+        clock[0] += 2.0
+        assert auth.verify(token).tenant_id == "a"  # a half-written file keeps the ring
+    keys.write_text(json.dumps({"keys": []}))
+    clock[0] += 2.0
+    refused = _refused(auth, token)
+    assert (refused.status, refused.code) == (401, "unknown_kid")
+    assert "no key is configured" in refused.message
+    with pytest.raises(KeyConfigError, match="non-empty"):  # a server starts with a key
+        KeyRing.from_file(keys)
+
+
+@pytest.mark.parametrize("exp", ["9999999999", "soon", float("inf")])
+def test_a_time_claim_that_is_not_a_number_is_a_401_without_internals(auth, secret, exp):
+    refused = _refused(auth, _sign(secret, _claims(exp=exp)))
+    assert refused.status == 401 and refused.code in ("invalid_claim", "malformed_token")
+    assert "Error" not in refused.message and "int" not in refused.message

@@ -93,9 +93,12 @@ def test_missing_file_names_the_path(tmp_path):
         ),
         (lambda s: s.replace("priority = 0", "priority = true"), "non-negative integer"),
         (lambda s: s.replace("priority = 0", "priority = -1"), "non-negative integer"),
-        (lambda s: s.replace('"0.002"', '"cheap"'), "is not a decimal"),
-        (lambda s: s.replace('"0.002"', '"-0.002"'), "must be a finite amount >= 0"),
-        (lambda s: s.replace('"0.002"', '"NaN"'), "must be a finite amount >= 0"),
+        (lambda s: s.replace('"0.002"', '"cheap"'), "not a decimal"),
+        (lambda s: s.replace('"0.002"', '"-0.002"'), "must be a finite amount from 0"),
+        (lambda s: s.replace('"0.002"', '"NaN"'), "must be a finite amount from 0"),
+        (lambda s: s.replace('"0.002"', '"sNaN"'), "must be a finite amount from 0"),
+        (lambda s: s.replace('"0.002"', '"1E+999999"'), "must be a finite amount from 0"),
+        (lambda s: s.replace('"0.002"', '"1E-40"'), "at most 12 decimal places"),
         (lambda s: s.replace('"EUR"', '"euro"'), "three-letter ISO 4217"),
         (
             lambda s: s.replace("[tiers.gold]", "[tiers.Gold]").replace(
@@ -111,9 +114,11 @@ def test_missing_file_names_the_path(tmp_path):
         ),
         (
             lambda s: s.replace("priority = 5", "priority = 5\nweight = 2\nmax_weight = 1"),
-            "need 0 < 'weight' <= 'max_weight'",
+            "<= 'weight' <= 'max_weight'",
         ),
-        (lambda s: s.replace("priority = 5", "priority = 5\nweight = 0"), "need 0 < 'weight'"),
+        (lambda s: s.replace("priority = 5", "priority = 5\nweight = 0"), "<= 'weight'"),
+        (lambda s: s.replace("priority = 5", "priority = 5\nweight = nan"), "finite number"),
+        (lambda s: s.replace("priority = 5", "priority = 5\nweight = 1e-320"), "<= 'weight'"),
         (
             lambda s: s.replace("priority = 5", "priority = 5\nmax_tenant_kv_share = 0"),
             "'max_tenant_kv_share' is a fraction of the pool",
@@ -144,5 +149,8 @@ def test_a_token_weight_is_bounded_by_the_tier_table():
     assert tier.tenant_weight(3) == 3.0
     assert tier.tenant_weight(100) == 4.0  # a plain vLLM caller cannot buy more than the cap
     assert tier.tenant_weight("lots") == tier.tenant_weight(-1) == tier.tenant_weight(True) == 1.5
+    # A claim that would make the tenant's counter NaN or infinite: the tier's default.
+    for claim in (float("nan"), float("inf"), 1e-320, 0.0):
+        assert tier.tenant_weight(claim) == 1.5
     ctx = TenantContext("acme", "bronze", weight=3.0)
     assert ctx.extra_args() == {"tenant_id": "acme", "tier": "bronze", "weight": 3.0}
