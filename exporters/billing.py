@@ -487,7 +487,12 @@ def _csv(rows: Iterable[Sequence[str]], columns: tuple[str, ...]) -> Iterator[st
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(columns)
     for i, row in enumerate(rows, 1):
-        writer.writerow(row)
+        if "\r" in "".join(row):
+            # csv.writer quotes only the characters of its line terminator ("\n"): a bare
+            # carriage return would end the row in a spreadsheet and start a new one.
+            buffer.write(",".join(map(_quoted, row)) + "\n")
+        else:
+            writer.writerow(row)
         if i % 500 == 0:
             yield buffer.getvalue()
             buffer.seek(0)
@@ -500,8 +505,12 @@ def _inert(value: str) -> str:
 
 
 def _csv_cell(value: str) -> str:
-    """`value` inert, then quoted as csv.writer's QUOTE_MINIMAL quotes it."""
-    value = _inert(value)
+    """`value` inert, then quoted."""
+    return _quoted(_inert(value))
+
+
+def _quoted(value: str) -> str:
+    """`value` quoted as RFC 4180 needs: when it holds a comma, a quote or a line break."""
     if any(c in value for c in ',"\r\n'):
         return '"' + value.replace('"', '""') + '"'
     return value

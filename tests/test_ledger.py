@@ -10,7 +10,14 @@ from decimal import Decimal
 import pytest
 from records import NOV, rec
 
-from exporters.billing import FOCUS_COLUMNS, csv_chunks, focus_rows, period, record_cost
+from exporters.billing import (
+    FOCUS_COLUMNS,
+    csv_chunks,
+    export_chunks,
+    focus_rows,
+    period,
+    record_cost,
+)
 from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, UsageLedger, rollup_of
 from server.cli import main
 
@@ -192,6 +199,29 @@ def test_partial_period_exports_are_clipped_and_never_share_a_row_key(tiers):
 def test_cells_a_spreadsheet_would_run_are_made_inert(tiers):
     rows = _focus([rec(1, tenant="-x", model='=HYPERLINK("http://evil")')], tiers)
     assert rows[0]["SubAccountId"] == "'-x" and rows[0]["x_Model"].startswith("'=")
+
+
+@pytest.mark.parametrize("fmt", ["raw", "focus"])
+def test_a_bare_carriage_return_never_starts_a_row(ledger, tiers, fmt):
+    """`acme\r=SUM(1;2)` unquoted was a new row that began with a formula in a spreadsheet."""
+    ledger.write([rec(1, tenant="acme\r=SUM(1;2)", model="m\rx"), rec(2, "bob")])
+    text = "".join(export_chunks(ledger, (NOV, NOV + 30 * 86400), fmt, "month", tiers))
+    # A spreadsheet splits rows at any line break outside quotes, \r included.
+    rows, cell, quoted = [[]], "", False
+    for ch in text:
+        if ch == '"':
+            quoted = not quoted
+        elif ch in "\r\n" and not quoted:
+            rows[-1].append(cell)
+            rows.append([])
+            cell = ""
+            continue
+        cell += ch
+    lines = [r for r in rows if r]
+    records = list(csv.reader(io.StringIO(text, newline="")))
+    assert len(lines) == len(records)
+    if fmt == "raw":
+        assert len(records) == 3  # the header and two records
 
 
 @pytest.mark.parametrize(
