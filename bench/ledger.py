@@ -15,7 +15,10 @@ records and the same database server, in the same run:
 - the usage page's month view (`dashboard.data.load_finance`: daily rows, per-tenant
   totals, the previous period), which has no reference;
 - peak Python heap during the export (tracemalloc, in a second, untimed export: tracing
-  slows Python down) and the process's peak RSS.
+  slows Python down) and the process's peak RSS;
+- SQLite only: `kvlease usage import` of the records' raw export into a new ledger
+  (every row parsed and bounded, rollups maintained) against a plain load of the same
+  file (`csv.reader` into `executemany`, one transaction, no rollups).
 
 Records arrive in end-time order, as a live ledger receives them, with random
 `kvl-<uuid>` ids as the server gives them. Results: bench/results/ledger.{json,md}.
@@ -24,6 +27,9 @@ Records arrive in end-time order, as a live ledger receives them, with random
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import io
 import random
 import resource
 import sqlite3
@@ -38,8 +44,9 @@ from bench import report
 from bench.postgres import postgres_cluster
 from dashboard.usage import load_finance
 from engine.tenancy import TierTable
-from exporters.billing import export_chunks
+from exporters.billing import RAW_COLUMNS, csv_chunks, export_chunks, raw_rows
 from exporters.ledger import COLUMNS, UsageLedger, UsageRecord
+from server import cli
 
 NOV, DEC = 1793491200.0, 1796083200.0  # 2026-11-01 and 2026-12-01, 00:00Z
 TIERS = tuple(TierTable.shipped())
@@ -180,6 +187,33 @@ def export_month(ledger: UsageLedger, tiers: TierTable, out: Path) -> tuple[floa
     return seconds, rows, peak / 2**20
 
 
+def import_file(n: int, tenants: int, workdir: Path) -> tuple[float, float]:
+    """(kvlease seconds, plain seconds) to load the same raw CSV of `n` records."""
+    source = workdir / "raw.csv"
+    with source.open("w", encoding="utf-8") as out:
+        for chunk in csv_chunks(raw_rows(records(n, tenants)), RAW_COLUMNS):
+            out.write(chunk)
+    ledger = workdir / "imported.db"
+    started = time.perf_counter()
+    argv = ["usage", "import", str(source), "--usage-db", f"sqlite:///{ledger}", "--create"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(argv) == 0
+    kvlease = time.perf_counter() - started
+    assert UsageLedger(f"sqlite:///{ledger}", create=False).count() == n
+    started = time.perf_counter()
+    db = sqlite3.connect(workdir / "plain-import.db")
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(REFERENCE_TABLE)
+    marks = ", ".join("?" * len(COLUMNS))
+    with source.open(encoding="utf-8", newline="") as rows:
+        reader = csv.reader(rows)
+        next(reader)
+        db.executemany(f"INSERT INTO reference VALUES ({marks})", reader)
+    db.commit()
+    db.close()
+    return kvlease, time.perf_counter() - started
+
+
 def run(backend: str, n: int, tenants: int, workdir: Path) -> dict:
     tiers = TierTable.load()
     with ExitStack() as stack:
@@ -200,7 +234,8 @@ def run(backend: str, n: int, tenants: int, workdir: Path) -> dict:
             ref_ingest, ref_export = reference_postgresql(url, n, tenants)
         else:
             ref_ingest, ref_export = reference_sqlite(workdir / f"reference-{n}.db", n, tenants)
-    for leftover in workdir.glob("*.db*"):
+    imported = import_file(n, tenants, workdir) if backend == "sqlite" else None
+    for leftover in [*workdir.glob("*.db*"), *workdir.glob("*.csv")]:
         leftover.unlink()
     return {
         "backend": backend,
@@ -216,6 +251,15 @@ def run(backend: str, n: int, tenants: int, workdir: Path) -> dict:
         "page_seconds": round(page_s, 2),
         "export_peak_python_heap_mb": round(heap_mb, 2),
         "max_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        **(
+            {
+                "import_records_per_s": round(n / imported[0]),
+                "reference_import_records_per_s": round(n / imported[1]),
+                "import_ratio": round(imported[1] / imported[0], 3),
+            }
+            if imported
+            else {}
+        ),
     }
 
 
@@ -223,17 +267,23 @@ def table(results: list[dict]) -> str:
     lines = [
         "| records | backend | ingest (kvlease / plain) | ratio (goal >= 0.2) "
         "| month export by day (goal) | plain GROUP BY | usage page month (goal < 2 s) "
-        "| peak Python heap | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| peak Python heap | peak RSS | usage import (kvlease / plain load, goal >= 0.2x) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        imported = (
+            f"{r['import_records_per_s']:,}/s / {r['reference_import_records_per_s']:,}/s: "
+            f"{r['import_ratio']:.2f}x"
+            if "import_ratio" in r
+            else ""
+        )
         lines.append(
             f"| {r['records']:,} | {r['backend']} | {r['ingest_records_per_s']:,}/s / "
             f"{r['reference_ingest_records_per_s']:,}/s | {r['ingest_ratio']:.2f}x "
             f"| {r['export_seconds']:.1f} s for {r['export_rows']:,} rows "
             f"(<= {r['export_goal_seconds']:.1f} s) | {r['reference_export_seconds']:.2f} s "
             f"| {r['page_seconds']:.2f} s | {r['export_peak_python_heap_mb']} MB "
-            f"| {r['max_rss_mb']:,} MB |"
+            f"| {r['max_rss_mb']:,} MB | {imported} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -14,7 +14,7 @@ leading quote before =, +, -, @) is read back as it was.
 from __future__ import annotations
 
 import csv
-import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from datetime import datetime
@@ -27,6 +27,17 @@ from exporters.ledger import UsageRecord
 LIMITS = {"request_id": 200, "tenant_id": 128, "tier": 32, "session_id": 128, "model": 200}
 COUNTS = tuple(f.name for f in fields(UsageRecord) if f.type == "int")  # token figures...
 TRUE, FALSE = {"true", "1", "yes"}, {"false", "0", "no", ""}
+# Columns an earlier kvlease's raw export did not write, read with the defaults the
+# ledger's migrations gave its old records.
+OPTIONAL_COLUMNS = {"partial": "false", "price_basis": "", "lease_covered_tokens": "0"}
+# Bounds that keep every bill computable. A count fits the ledger's INTEGER columns
+# (PostgreSQL's are 32-bit), so a window's sum of them stays within 64 bits for 4 billion
+# records; block-seconds stay below 1e9 (31 years of one block), so the rollups' integer
+# block-microseconds sum exactly over 9,000 records at that bound; a time lies between
+# 1970 and 9999, what the exports can print.
+MAX_COUNT = 2**31 - 1
+MAX_BLOCK_SECONDS = 1e9
+TIME_RANGE = (0.0, 253402300799.0)  # 1970-01-01T00:00:00Z .. 9999-12-31T23:59:59Z
 
 
 class BadFile(ValueError):
@@ -40,9 +51,14 @@ class BadRow(ValueError):
 def read_records(lines: Iterable[str]) -> Iterator[tuple[int, UsageRecord | BadRow]]:
     """(line number, record or the reason it is not one) per data row, streamed."""
     reader = csv.DictReader(lines)
-    header = reader.fieldnames or []
-    missing = [c for c in RAW_COLUMNS if c not in header]
+    try:
+        header = reader.fieldnames or []
+    except (csv.Error, UnicodeDecodeError) as exc:
+        raise BadFile(f"the header does not read as CSV: {exc}") from None
+    missing = [c for c in RAW_COLUMNS if c not in header and c not in OPTIONAL_COLUMNS]
     extra = [c for c in header if c not in RAW_COLUMNS]
+    if len(set(header)) != len(header):
+        raise BadFile("the header names a column twice")
     if missing or extra:
         raise BadFile(
             "the header is not `kvlease usage export --format raw`'s: "
@@ -55,17 +71,49 @@ def read_records(lines: Iterable[str]) -> Iterator[tuple[int, UsageRecord | BadR
                 if part
             )
         )
-    for row in reader:
+    defaults = {c: v for c, v in OPTIONAL_COLUMNS.items() if c not in header}
+    seen: dict[str, int] = {}  # request id -> line, within the current batch of ids
+    while True:
         try:
-            yield reader.line_num, parse_row(row)
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:  # a cell over csv's field limit, a NUL byte
+            # DictReader updates its own line_num only after a good row.
+            yield reader.reader.line_num, BadRow(f"not a CSV row: {exc}")
+            continue
+        try:
+            record = parse_row({**row, **defaults} if defaults else row)
         except BadRow as exc:
             yield reader.line_num, exc
+            continue
+        first = seen.setdefault(record.request_id, reader.line_num)
+        if first != reader.line_num:
+            yield reader.line_num, BadRow(f"request_id repeats line {first}'s")
+            continue
+        if len(seen) >= DUPLICATE_WINDOW:
+            seen.clear()
+        yield reader.line_num, record
+
+
+# Repeated request ids are reported by line within this many rows; a repeat further
+# apart is the ledger's (counted as already there), as a re-import's rows are.
+DUPLICATE_WINDOW = 1_000_000
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
 def parse_row(row: dict[str, str | None]) -> UsageRecord:
     if None in row:
         raise BadRow("more cells than columns")
-    cells = {k: _restore(v or "") for k, v in row.items()}
+    if None in row.values():
+        raise BadRow("fewer cells than columns")
+    cells = {k: _restore(v) if v[:1] == "'" else v for k, v in row.items()}
+    text = "".join(cells.values())
+    if not text.isascii() and _NOT_UTF8.search(text):
+        # A file read with errors="surrogateescape" keeps bytes that are not UTF-8 as lone
+        # surrogates: such a row is refused by line, not with a traceback.
+        name = next(k for k, v in cells.items() if _NOT_UTF8.search(v))
+        raise BadRow(f"{name} is not UTF-8 text")
     for name, limit in LIMITS.items():
         if len(cells[name]) > limit:
             raise BadRow(f"{name} is longer than {limit} characters")
@@ -102,20 +150,25 @@ def _restore(cell: str) -> str:
 
 
 def _count(name: str, cell: str) -> int:
-    try:
-        value = int(cell)
-    except ValueError:
-        raise BadRow(f"{name} is not a whole number: {cell[:40]!r}") from None
-    if value < 0:
-        raise BadRow(f"{name} is negative")
+    if len(cell) > 12 or not (cell.isascii() and cell.isdigit()):  # int() takes "1_000", " 7"
+        raise BadRow(f"{name} is not a whole number from 0 to {MAX_COUNT}: {cell[:40]!r}")
+    value = int(cell)
+    if value > MAX_COUNT:
+        raise BadRow(f"{name} is above {MAX_COUNT}")
     return value
 
 
 def _time(name: str, cell: str) -> float:
     try:
-        return float(cell)
+        value = float(cell)
     except ValueError:
-        pass
+        value = _iso_time(name, cell)
+    if not TIME_RANGE[0] <= value <= TIME_RANGE[1]:  # NaN fails this too
+        raise BadRow(f"{name} is not between 1970 and 9999: {cell[:40]!r}")
+    return value
+
+
+def _iso_time(name: str, cell: str) -> float:
     try:
         moment = datetime.fromisoformat(cell.replace("Z", "+00:00"))
     except ValueError:
@@ -130,8 +183,8 @@ def _block_seconds(cell: str) -> float:
         value = float(cell)
     except ValueError:
         raise BadRow(f"kv_block_seconds is not a number: {cell[:40]!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise BadRow("kv_block_seconds must be a finite number >= 0")
+    if not 0 <= value <= MAX_BLOCK_SECONDS:  # NaN fails this too
+        raise BadRow(f"kv_block_seconds must be a number from 0 to {MAX_BLOCK_SECONDS:.0e}")
     return value
 
 

@@ -7,6 +7,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Sequence
 
@@ -70,6 +71,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument("file", help="CSV file, or - for stdin")
     load.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
+    load.add_argument(
+        "--create",
+        action="store_true",
+        help="make the ledger if it does not exist (without it, a mistyped URL is an error)",
+    )
     prune = usage_sub.add_parser(
         "prune",
         help="delete raw records ended before a date; the hourly rollups (and so every "
@@ -253,26 +259,35 @@ def _usage_export(args: argparse.Namespace) -> int:
     return 0
 
 
+IMPORT_BATCH = 20_000  # records a transaction: the import's rate, bounded memory
+
+
 def _usage_import(args: argparse.Namespace) -> int:
+    import io
+
     from exporters.ledger import UsageLedger
     from exporters.usage_import import BadRow, read_records
 
     try:
-        source = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8", newline="")  # noqa: SIM115
+        raw = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")  # noqa: SIM115
     except OSError as exc:
         raise ValueError(f"cannot read {args.file}: {exc.strerror}") from None
-    ledger = UsageLedger(args.usage_db)
+    # Bytes that are not UTF-8 stay in the text as surrogates: their row is refused by line.
+    source = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline="")
     read = new = bad = 0
     batch = []
     with source:
-        for line, item in read_records(source):
+        rows = read_records(source)
+        first = next(rows, None)  # the header is checked before the ledger is opened
+        ledger = UsageLedger(args.usage_db, create=args.create)
+        for line, item in itertools.chain([first] if first else [], rows):
             if isinstance(item, BadRow):
                 bad += 1
                 print(f"{args.file}:{line}: {item}", file=sys.stderr)
                 continue
             read += 1
             batch.append(item)
-            if len(batch) == 5000:
+            if len(batch) == IMPORT_BATCH:
                 new += ledger.write(batch)
                 batch = []
         new += ledger.write(batch)
@@ -281,10 +296,10 @@ def _usage_import(args: argparse.Namespace) -> int:
 
 
 def _usage_prune(args: argparse.Namespace) -> int:
-    from exporters.billing import parse_window
+    from exporters.billing import parse_time
     from exporters.ledger import UsageLedger
 
-    before, _ = parse_window(args.before, "9999-01-01")
+    before = parse_time(args.before)
     deleted = UsageLedger(args.usage_db, create=False).prune(before)
     print(f"deleted {deleted} records ended before {_stamp(before)}; rollups kept")
     return 0

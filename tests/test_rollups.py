@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from records import NOV, rec
 
+from engine.tenancy import TierTable
 from exporters.billing import export_chunks, focus_rows, usage
 from exporters.ledger import UsageLedger, rollup_of
 from exporters.rollups import DAY, HOUR, block_us
@@ -306,3 +307,75 @@ def test_concurrent_writers_count_each_record_once(ledger):
         t.join()
     assert ledger.count() == 600
     assert maintained(ledger) == recomputed(records)
+
+
+def test_import_bounds_every_value_and_keeps_the_good_rows_of_a_batch(ledger, tmp_path, capsys):
+    """Each of these once broke a bill or lost its whole batch (a 2^63 count, two 2^62
+    counts summed, a time of -1e300 or NaN, a NaN or huge price, a bad byte, a huge cell)."""
+    from exporters.billing import RAW_COLUMNS
+
+    times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0"
+    basis = (
+        '"{""block_hour"": ""{}"", ""cached_input_per_1k"": ""0"", ""currency"": ""USD"", '
+        '""input_per_1k"": ""0"", ""output_per_1k"": ""0""}"'
+    )
+    bad = {
+        "kvl-b1": good.replace(",10,5,3,", f",{2**63},5,3,"),
+        "kvl-b2": good.replace(",10,5,3,", f",10,5,{2**62},"),
+        "kvl-b3": good.replace(",10,5,3,", f",10,5,{2**31},"),
+        "kvl-b4": good.replace("2026-11-02T10:00:00Z", "-1e300"),
+        "kvl-b5": good.replace("2026-11-02T10:00:00Z", "nan"),
+        "kvl-b6": good.replace("2026-11-02T10:00:05Z", "inf"),
+        "kvl-b7": good.replace(",1.5,", ",nan,"),
+        "kvl-b8": good.replace(",1.5,", ",1e300,"),
+        "kvl-b9": good.replace(",10,5,3,", ",1_0,5,3,"),
+        **{
+            f"kvl-p{i}": good.replace("False,,0", f"False,{basis.replace('{}', price)},0")
+            for i, price in enumerate(("NaN", "sNaN", "1E+999999", "-1000"))
+        },
+    }
+    lines = [good, *(row.replace("kvl-1", key) for key, row in bad.items())]
+    lines.append(good.replace("kvl-1", "kvl-x").replace(",m,", ",m" + "y" * 140_000 + ","))
+    lines.append(good)  # the same id again, in the same file
+    lines.append(good.replace("kvl-1", "kvl-2"))
+    body = (",".join(RAW_COLUMNS) + "\n" + "\n".join(lines) + "\n").encode()
+    body = body.replace(b",acme,premium,,m,", b",ac\xffme,premium,,m,", 1)  # kvl-1: not UTF-8
+    path = tmp_path / "in.csv"
+    path.write_bytes(body)
+    assert main(["usage", "import", str(path), "--usage-db", ledger.url]) == 1
+    out = capsys.readouterr()
+    reported = [line.split(":")[1] for line in out.err.splitlines()]
+    # Line 2 (kvl-1 with the bad byte), every bad row, the huge cell; line 18 repeats no
+    # good id (kvl-1 was refused), so it is kept; line 19 is good.
+    assert reported == [str(n) for n in range(2, 17)], out.err
+    assert "imported 2 new records" in out.out
+    assert sorted(r.request_id for r in ledger.read(0, END)) == ["kvl-1", "kvl-2"]
+    text = "".join(export_chunks(ledger, (0, END), "focus", "month", TierTable.load()))
+    assert text.count("\n") > 1
+
+
+def test_import_reports_a_repeated_id_by_line(ledger, tmp_path, capsys):
+    from exporters.billing import RAW_COLUMNS
+
+    times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0"
+    path = tmp_path / "in.csv"
+    path.write_text(
+        ",".join(RAW_COLUMNS) + "\n" + good + "\n" + good.replace(",10,", ",11,") + "\n"
+    )
+    assert main(["usage", "import", str(path), "--usage-db", ledger.url]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"{path}:3: request_id repeats line 2's"]
+
+
+def test_import_reads_the_raw_layout_an_earlier_kvlease_wrote(ledger, tmp_path, capsys):
+    """Before `partial`, `price_basis` and `lease_covered_tokens`: the migrations' defaults."""
+    from exporters.billing import RAW_COLUMNS
+
+    old = [c for c in RAW_COLUMNS if c not in ("partial", "price_basis", "lease_covered_tokens")]
+    times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
+    path = tmp_path / "old.csv"
+    path.write_text(",".join(old) + f"\nkvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed\n")
+    assert main(["usage", "import", str(path), "--usage-db", ledger.url]) == 0
+    [record] = ledger.read(0, END)
+    assert (record.partial, record.price_basis, record.lease_covered_tokens) == (False, None, 0)

@@ -70,3 +70,45 @@ def test_a_database_without_a_ledger_is_not_read_as_one(tmp_path):
 def test_passwords_are_hidden_in_ledger_urls():
     assert redact("postgresql://kv:pw@db:5432/usage") == "postgresql://kv:***@db:5432/usage"
     assert "pw" not in redact("postgres ql://kv:pw@db/usage")
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_a_url_of_another_database_is_one_line(tmp_path, capsys, command):
+    raw = tmp_path / "in.csv"
+    raw.write_text(",".join(__import__("exporters.billing").billing.RAW_COLUMNS) + "\n")
+    args = ["usage", "import", str(raw)] if command == "import" else ["usage", "export"]
+    assert main([*args, "--usage-db", "mysql://x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a ledger URL" in err
+
+
+def test_a_sqlite_url_with_a_driver_creates_nothing_for_a_reader(tmp_path, capsys):
+    missing = tmp_path / "typo" / "usage.db"
+    code, err = _export(capsys, "--usage-db", f"sqlite+pysqlite:///{missing}")
+    assert code == 2 and "no usage ledger" in err
+    assert not missing.exists() and not missing.parent.exists()
+
+
+def test_import_into_a_ledger_that_does_not_exist_needs_create(tmp_path, capsys):
+    from exporters.billing import RAW_COLUMNS
+
+    raw = tmp_path / "in.csv"
+    times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
+    raw.write_text(
+        ",".join(RAW_COLUMNS)
+        + f"\nkvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0\n"
+    )
+    typo = tmp_path / "tpyo" / "usage.db"
+    assert main(["usage", "import", str(raw), "--usage-db", f"sqlite:///{typo}"]) == 2
+    assert "no usage ledger" in capsys.readouterr().err
+    assert not typo.parent.exists()
+    assert main(["usage", "import", str(raw), "--usage-db", f"sqlite:///{typo}", "--create"]) == 0
+    assert UsageLedger(f"sqlite:///{typo}", create=False).count() == 1
+
+
+def test_prune_takes_any_date(november_ledger, capsys):
+    assert (
+        main(["usage", "prune", "--before", "9999-01-01", "--usage-db", november_ledger.url]) == 0
+    )
+    assert "deleted" in capsys.readouterr().out
+    assert november_ledger.count() == 0
