@@ -68,6 +68,8 @@ class TenantLabels:
             max_labels = int(raw)
         except ValueError:
             raise ValueError(f"{MAX_ENV} must be an integer, got {raw!r}") from None
+        if max_labels < 0:
+            raise ValueError(f"{MAX_ENV} must be 0 or more, got {raw!r}")
         allow = [t.strip() for t in os.environ.get(ALLOW_ENV, "").split(",") if t.strip()]
         return cls(max_labels, allow, hash_key_from_env())
 

@@ -542,19 +542,20 @@ def export_chunks(
     return focus_csv(usage(ledger, window, granularity, tenants), granularity, tiers, window)
 
 
+def parse_time(value: str) -> float:
+    """Epoch seconds of a UTC date or an ISO time (a time without a zone is UTC)."""
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"not a date or ISO time: {value!r} (try 2026-11-01)") from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
 def parse_window(start: str | None, end: str | None) -> tuple[float, float]:
     """[start, end) as epoch seconds from UTC dates or ISO times; default: this month."""
-
-    def parse(value: str) -> float:
-        try:
-            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            raise ValueError(f"not a date or ISO time: {value!r} (try 2026-11-01)") from None
-        return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
-
     this_month = period(datetime.now(UTC).timestamp(), "month")
-    lo = parse(start) if start else this_month[0]
-    hi = parse(end) if end else this_month[1]
+    lo = parse_time(start) if start else this_month[0]
+    hi = parse_time(end) if end else this_month[1]
     if hi <= lo:
         raise ValueError("--to must be after --from")
     return lo, hi

@@ -166,21 +166,28 @@ class UsageLedger:
     def __init__(self, url: str | None = None, create: bool = True) -> None:
         given = url or default_url()
         self.url = given
-        sqlite_path = given.removeprefix("sqlite:///") if given.startswith("sqlite:///") else None
-        if sqlite_path and sqlite_path != ":memory:":
-            if not create and not os.path.isfile(sqlite_path):
-                raise LedgerError(f"no usage ledger at {sqlite_path}")
-            os.makedirs(os.path.dirname(os.path.abspath(sqlite_path)), exist_ok=True)
         for alias in ("postgresql://", "postgres://"):  # psycopg 3, under either spelling
             if given.startswith(alias):
                 self.url = "postgresql+psycopg://" + given.removeprefix(alias)
+        not_a_ledger = (
+            f"{redact(given)!r} is not a ledger URL (sqlite:///PATH or "
+            "postgresql://USER:PASSWORD@HOST/DB)"
+        )
+        try:
+            parsed = make_url(self.url)
+        except (ArgumentError, ValueError) as exc:
+            raise LedgerError(f"{not_a_ledger}: {one_line(exc)}") from None
+        if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+            raise LedgerError(not_a_ledger)  # mysql://...: SQLAlchemy knows it, kvlease does not
+        sqlite_path = parsed.database if parsed.get_backend_name() == "sqlite" else None
+        if sqlite_path and sqlite_path != ":memory:" and not sqlite_path.startswith("file:"):
+            if not create and not os.path.isfile(sqlite_path):
+                raise LedgerError(f"no usage ledger at {sqlite_path}")
+            os.makedirs(os.path.dirname(os.path.abspath(sqlite_path)), exist_ok=True)
         try:
             self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
-        except (ArgumentError, NoSuchModuleError, ValueError) as exc:
-            raise LedgerError(
-                f"{redact(given)!r} is not a ledger URL (sqlite:///PATH or "
-                f"postgresql://USER:PASSWORD@HOST/DB): {one_line(exc)}"
-            ) from None
+        except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as exc:
+            raise LedgerError(f"{not_a_ledger}: {one_line(exc)}") from None
         if self.engine.dialect.name == "sqlite":
             event.listen(self.engine, "connect", _sqlite_pragmas)
         try:

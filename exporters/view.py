@@ -62,7 +62,17 @@ class EngineView:
         self.api_server = api_server  # events of requests owned elsewhere skip the listeners
         self.receiver: Receiver | None = None
         self.messages = 0
-        self.history = History(labels or TenantLabels.from_env())
+        self._history = History(labels) if labels is not None else None
+
+    @property
+    def history(self) -> History:
+        """Made on first use, not at import: the label settings are read from the
+        environment, which `kvlease serve` checks (with a one-line error) first."""
+        if self._history is None:
+            with self._lock:
+                if self._history is None:
+                    self._history = History(TenantLabels.from_env())
+        return self._history
 
     def add_listener(self, listener: Listener) -> None:
         with self._lock:

@@ -47,7 +47,7 @@ from engine.auth import (
     valid_id,
 )
 from engine.budgets import Verdict
-from engine.labels import hash_key_from_env
+from engine.labels import TenantLabels
 from engine.tenancy import TenantContext, TierTable
 from exporters.billing import period
 from exporters.join import InFlight, new_request_id
@@ -168,7 +168,7 @@ class ServerConfig:
         except ValueError:
             raise ConfigError(f"{MAX_BODY_ENV} must be a number of bytes") from None
         try:
-            hash_key_from_env()  # labels are made in two processes: fail here, not there
+            TenantLabels.from_env()  # labels are made in two processes: fail here, not there
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         metrics_auth = os.environ.get(METRICS_AUTH_ENV, "").lower() in ("1", "true", "yes", "on")

@@ -7,8 +7,9 @@ import sys
 import pytest
 
 
-def _serve(*args, env_secret=True):
+def _serve(*args, env_secret=True, env_extra=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEASE_")}
+    env.update(env_extra or {})
     if env_secret:
         env["KVLEASE_JWT_SECRET"] = "s" * 48
     return subprocess.run(
@@ -146,3 +147,24 @@ def test_load_balancing_kvlease_cannot_keep_sessions_in_is_one_line(monkeypatch,
     with pytest.raises(ConfigError) as err:
         scale_out(_shape(data_parallel_size=2, **given))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVLEASE_HASH_TENANT_LABELS": "1"}, "KVLEASE_TENANT_LABEL_KEY"),
+        ({"KVLEASE_MAX_TENANT_LABELS": "many"}, "must be an integer"),
+    ],
+)
+def test_bad_label_settings_are_one_line(tmp_path, env, message):
+    done = _serve("--usage-db", f"sqlite:///{tmp_path}/u.db", env_extra=env)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("kvlease serve: error:") and message in line
+
+
+def test_a_ledger_url_kvlease_does_not_speak_is_one_line(tmp_path):
+    done = _serve("--usage-db", "mysql://x")
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert "is not a ledger URL" in line
