@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
+from pathlib import Path
 
 from sqlalchemy import (
     Boolean,
@@ -35,7 +36,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
-from engine.paths import kvlease_home
+from engine.paths import kvlease_home, private_file
 from exporters import rollups
 from exporters.rollups import HOUR, Rollup, block_us, hour_of
 
@@ -183,7 +184,7 @@ class UsageLedger:
         if sqlite_path and sqlite_path != ":memory:" and not sqlite_path.startswith("file:"):
             if not create and not os.path.isfile(sqlite_path):
                 raise LedgerError(f"no usage ledger at {sqlite_path}")
-            os.makedirs(os.path.dirname(os.path.abspath(sqlite_path)), exist_ok=True)
+            private_file(Path(sqlite_path).absolute())  # SQLite's -wal and -shm follow its mode
         try:
             self.engine: Engine = create_engine(self.url, pool_pre_ping=True)
         except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as exc:

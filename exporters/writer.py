@@ -26,7 +26,7 @@ from pathlib import Path
 from sqlalchemy.exc import DataError, IntegrityError
 
 from engine.labels import UNCLASSIFIED
-from engine.paths import kvlease_home
+from engine.paths import kvlease_home, private_file
 from engine.tenancy import TierTable
 from exporters.join import FinishedRequest
 from exporters.ledger import UsageLedger, UsageRecord
@@ -34,6 +34,7 @@ from exporters.metrics import ProcessMetrics
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
 DEAD_LETTER_FILE = "ledger-dead-letters.jsonl"  # under KVLEASE_HOME
+DEAD_LETTER_MAX_ENV = "KVLEASE_DEAD_LETTER_MAX_BYTES"  # the file's bound (64 MiB)
 logger = logging.getLogger("kvlease.ledger")
 
 
@@ -187,8 +188,18 @@ class LedgerWriter:
             self.dead_letter_path,
         )
         line = json.dumps({"record": asdict(record), "reason": reason}) + "\n"
-        self.dead_letter_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.dead_letter_path.open("a", encoding="utf-8") as out:
+        path = private_file(self.dead_letter_path)
+        if path.stat().st_size + len(line) > dead_letter_max_bytes():
+            # Bounded: a flood of refused records must not fill the disk. The count and
+            # the log line above still say what was refused.
+            logger.error(
+                "kvlease ledger: %s is full (%s bytes); record %s not set aside",
+                path,
+                dead_letter_max_bytes(),
+                record.request_id[:64],
+            )
+            return
+        with path.open("a", encoding="utf-8") as out:
             out.write(line)
             out.flush()
             os.fsync(out.fileno())
@@ -201,6 +212,10 @@ class LedgerWriter:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(True)
+
+
+def dead_letter_max_bytes() -> int:
+    return int(os.environ.get(DEAD_LETTER_MAX_ENV, str(64 * 2**20)))
 
 
 def wait_seconds() -> float:

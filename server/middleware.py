@@ -51,6 +51,7 @@ from engine.labels import TenantLabels
 from engine.tenancy import TenantContext, TierTable
 from exporters.billing import period
 from exporters.join import InFlight, new_request_id
+from exporters.ledger import records
 from exporters.metrics import multiprocess
 from exporters.telemetry import TELEMETRY
 from exporters.writer import wait_seconds
@@ -279,6 +280,9 @@ def makes_engine_requests(path: str) -> bool:
     return path not in ENGINE_FREE_PATHS and not path.startswith(f"{RESPONSES_PATH}/")
 
 
+MODEL_NAME_MAX = records.c.model.type.length  # what the usage ledger stores
+
+
 def refused_fields(doc: dict[str, Any]) -> str | None:
     """Why vLLM may not run this body for a tenant, or None.
 
@@ -287,6 +291,9 @@ def refused_fields(doc: dict[str, Any]) -> str | None:
     and unsalted, and bill one token of each."""
     if _lax(bool, doc.get("use_beam_search", False)) is True:
         return "beam search (use_beam_search) is not served by kvlease"
+    model = doc.get("model")
+    if isinstance(model, str) and len(model) > MODEL_NAME_MAX:
+        return f"'model' is longer than {MODEL_NAME_MAX} characters"  # no ledger takes it
     return None
 
 

@@ -280,6 +280,31 @@ def test_a_record_the_database_refuses_is_set_aside_and_never_blocks_the_others(
     assert writer.dead_letters == len(lines) == len(batch) - 4
     assert lines[0]["record"]["request_id"] == bad.request_id and lines[0]["reason"]
     assert writer.write_errors == 0  # a data error is not a database outage
+    assert dead.stat().st_mode & 0o777 == 0o600
+
+
+def test_the_dead_letter_file_is_bounded(ledger, tmp_path, monkeypatch):
+    import dataclasses
+
+    from exporters.writer import DEAD_LETTER_MAX_ENV, LedgerWriter
+
+    monkeypatch.setenv(DEAD_LETTER_MAX_ENV, "10000")
+    dead = tmp_path / "dead.jsonl"
+    writer = LedgerWriter(ledger, dead_letter_path=dead)
+    bad = [dataclasses.replace(rec(i), model=None, tenant_id="t" * 100) for i in range(200)]
+    for record in bad:
+        writer._commit([record])
+    writer.close()
+    assert writer.dead_letters == 200  # every refusal is counted
+    assert 0 < dead.stat().st_size <= 10_000
+
+
+def test_a_new_ledger_and_its_folder_are_private(tmp_path):
+    home = tmp_path / "home" / "kvlease"
+    UsageLedger(f"sqlite:///{home / 'usage.db'}")
+    assert home.stat().st_mode & 0o777 == 0o700
+    for path in home.glob("usage.db*"):
+        assert path.stat().st_mode & 0o777 == 0o600, path
 
 
 def _table(input_price: str, currency: str = "USD", tier: str = "premium"):

@@ -501,3 +501,11 @@ def test_sessionless_requests_and_client_rank_headers_are_left_to_vllms_balancer
     one = TenantMiddleware(Recorder(), config)
     _xargs(one, hs_ring, tiers, session_header="s1")
     assert _rank_header(one) == []
+
+
+def test_a_model_name_no_ledger_can_store_is_refused(app, hs_ring, tiers):
+    body = json.dumps({"model": "m" * 300, "messages": []}).encode()
+    status, _, out = call(
+        app, "/v1/chat/completions", body=body, headers=[bearer(hs_ring, tiers), JSON]
+    )
+    assert status == 400 and "longer than 200" in json.loads(out)["error"]["message"]
