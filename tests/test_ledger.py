@@ -5,16 +5,18 @@ from __future__ import annotations
 import csv
 import io
 import re
-from decimal import Decimal
+from decimal import Decimal, localcontext
 
 import pytest
 from records import NOV, rec
 
 from exporters.billing import (
+    EXACT,
     FOCUS_COLUMNS,
     csv_chunks,
     export_chunks,
     focus_rows,
+    per_block_us,
     period,
     record_cost,
 )
@@ -107,8 +109,9 @@ def test_cost_is_exact_and_recomputed_tokens_are_never_billed(tiers):
         Decimal(600) / 1000 * p.input_per_1k
         + Decimal(400) / 1000 * p.cached_input_per_1k
         + Decimal(500) / 1000 * p.output_per_1k
-        + Decimal("0.01") * p.block_hour
+        + 36_000_000 * per_block_us(p.block_hour)  # 36 block-seconds, in microseconds
     )
+    assert abs(expected - record_cost(rec(1), tiers)) < Decimal("1e-20")
     assert record_cost(rec(1), tiers) == expected
     assert record_cost(rec(1, recomputed_tokens=10**6), tiers) == expected
     assert record_cost(rec(1, tier=None), tiers) == 0
@@ -158,7 +161,8 @@ def test_focus_export_has_one_row_per_charge_with_its_unit_price(tiers):
             assert PLAIN_DECIMAL.fullmatch(row[column]), (column, row[column])  # never 1E+1
         assert row["BilledCost"] == row["EffectiveCost"] == row["ListCost"] == row["ContractedCost"]
         unit, quantity = Decimal(row["ListUnitPrice"]), Decimal(row["PricingQuantity"])
-        assert Decimal(row["ListCost"]) == unit * quantity
+        # Exact for tokens; block time is priced per whole microsecond (billing.per_block_us).
+        assert abs(Decimal(row["ListCost"]) - unit * quantity) <= Decimal("1e-20")
         assert row["BillingCurrency"] == "USD" and row["ChargeCategory"] == "Usage"
         assert row["CommitmentDiscountId"] == row["RegionId"] == ""  # null: does not apply
     first = rows[:4]
@@ -194,6 +198,23 @@ def test_partial_period_exports_are_clipped_and_never_share_a_row_key(tiers):
     assert {r["ChargePeriodEnd"] for r in first} == {"2026-11-16T00:00:00Z"}
     assert {r["ChargePeriodStart"] for r in second} == {"2026-11-16T00:00:00Z"}
     assert not {r["x_RowKey"] for r in first} & {r["x_RowKey"] for r in second}
+
+
+def test_every_granularity_bills_the_same_total_to_the_last_digit(tiers):
+    """Block time is summed in whole microseconds and priced per microsecond, rounded once:
+    records, hours, days and the month give one total (they once differed at ...6652,
+    ...6660 and ...6666)."""
+    records = [
+        rec(i, at=NOV + i * 997, kv_block_seconds=1.234567 * (i + 1), tier="standard")
+        for i in range(200)
+    ]
+    with localcontext(EXACT):  # a spreadsheet's float sum rounds; this must not
+        totals = {
+            granularity: sum(Decimal(r["BilledCost"]) for r in _focus(records, tiers, granularity))
+            for granularity in ("hour", "day", "month")
+        }
+        by_record = sum((record_cost(r, tiers) for r in records), Decimal(0))
+    assert totals == {"hour": by_record, "day": by_record, "month": by_record}
 
 
 def test_cells_a_spreadsheet_would_run_are_made_inert(tiers):
