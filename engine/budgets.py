@@ -14,6 +14,11 @@ A budget covers a UTC calendar month. At `ALERT_RATIO` of it the gauge
 what the usage ledger bills (the same cost as the FOCUS export), read from its rollups
 away from the request path (`exporters.spend`), so a request costs one dictionary
 lookup. Standard library only.
+
+Requests in flight are held against the budget: an admitted request holds `estimate`,
+an upper bound of its token cost, until the first spend refresh after it ended has read
+its record. A `block` budget refuses a request whose estimate would take spent + held
+past the budget, so 40 requests arriving together cannot each see the old spend.
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 BUDGETS_ENV = "KVLEASE_BUDGETS"
+# What a budgeted request without max_tokens (max_completion_tokens, max_output_tokens)
+# is held at, in output tokens per choice.
+HELD_OUTPUT_TOKENS = 4096
+# Tokens a chat template may add beyond the body's own bytes (role markers, a system
+# prompt): a body of B bytes is held at B + this many input tokens (a byte-level
+# tokenizer makes at most one token a byte).
+TEMPLATE_TOKENS = 256
 ON_EXCEED = ("warn", "block")
 ALERT_RATIO = 0.8
 
@@ -57,6 +69,30 @@ class Verdict:
     @property
     def blocked(self) -> bool:
         return self.exceeded and self.budget.on_exceed == "block"
+
+    def refuses(self, estimate: Decimal) -> bool:
+        """A `block` budget refuses a request that could take the spend past it."""
+        return self.budget.on_exceed == "block" and self.spent + estimate > self.budget.monthly
+
+
+def estimate(
+    body_bytes: int, doc: dict, choices: int, input_per_1k: Decimal, output_per_1k: Decimal
+) -> Decimal:
+    """An upper bound of a request's token cost, from its body alone: every byte of the
+    body (plus TEMPLATE_TOKENS) an uncached input token read by each choice, and each
+    choice's output cap, or HELD_OUTPUT_TOKENS without one. KV block-hours are not held:
+    a request's block time is unknown until it ends."""
+    cap = next(
+        (
+            doc[key]
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens")
+            if isinstance(doc.get(key), int) and not isinstance(doc[key], bool) and doc[key] > 0
+        ),
+        HELD_OUTPUT_TOKENS,
+    )
+    input_tokens = Decimal(choices * (body_bytes + TEMPLATE_TOKENS))
+    output_tokens = Decimal(choices * min(cap, 2**31))
+    return (input_tokens * input_per_1k + output_tokens * output_per_1k) / 1000
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
 """Month-to-date spend of the tenants with a budget, kept fresh away from the request path.
 
 Invariant: `verdict()` never touches the database. It reads the last refresh, a dict
-replaced whole, so a request pays one lookup. A thread refreshes every
-`refresh_seconds` of the budget file: one rollups query restricted to the budgeted
+replaced whole, plus what requests in flight hold, so a request pays two lookups. A
+hold (`hold()`, `release()`) counts until the first refresh that starts after its
+request ended: by then the request's record is in the ledger (the middleware answers
+its last byte only once the record has committed), so the spend includes it. A thread
+refreshes every `refresh_seconds` of the budget file: one rollups query restricted to the budgeted
 tenants (through the rollups' (tenant, hour) index, so it reads only their rows),
 priced with the export's own `billing.cost`. With a shared PostgreSQL ledger the spend
 is the fleet's. The budget file is re-read when it changes; a file that no longer loads
@@ -16,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from decimal import Decimal
 
 from engine.budgets import BudgetConfigError, BudgetTable, Verdict
@@ -25,6 +29,15 @@ from exporters.ledger import UsageLedger, one_line
 from exporters.rollups import DAY
 
 logger = logging.getLogger("kvlease.budgets")
+
+
+@dataclass(eq=False)
+class Hold:
+    """What one admitted request holds against its tenant's budget."""
+
+    tenant_id: str
+    amount: Decimal
+    ended_at: float | None = None  # monotonic; None while in flight
 
 
 class SpendTracker:
@@ -39,12 +52,37 @@ class SpendTracker:
         self.table = BudgetTable.load(path)  # a bad file at start is the caller's error
         self._mtime = _mtime(path)
         self._verdicts: dict[str, Verdict] = {}
+        self._holds: dict[int, Hold] = {}  # in flight, or ended since the last refresh
+        self._held: dict[str, Decimal] = {}  # per tenant, the sum of its holds
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def verdict(self, tenant_id: str) -> Verdict | None:
-        """The tenant's month so far against its budget; None without a budget. O(1)."""
-        return self._verdicts.get(tenant_id)
+        """The tenant's month so far, with what its requests in flight hold, against its
+        budget; None without a budget. O(1)."""
+        verdict = self._verdicts.get(tenant_id)
+        held = self._held.get(tenant_id)
+        if verdict is None or not held:
+            return verdict
+        return Verdict(verdict.budget, verdict.spent + held)
+
+    def hold(self, tenant_id: str, amount: Decimal) -> Hold | None:
+        """Hold `amount` against a budgeted tenant's spend (None: no budget, or the budget
+        refuses it: `Verdict.refuses`, checked and held under one lock, so concurrent
+        requests cannot all pass on the same spend). O(1)."""
+        with self._lock:
+            verdict = self.verdict(tenant_id)
+            if verdict is None or verdict.refuses(amount):
+                return None
+            hold = Hold(tenant_id, amount)
+            self._holds[id(hold)] = hold
+            self._held[tenant_id] = self._held.get(tenant_id, Decimal(0)) + amount
+            return hold
+
+    def release(self, hold: Hold) -> None:
+        """The request ended: its hold stays until a refresh has read its record."""
+        hold.ended_at = time.monotonic()
 
     def verdicts(self) -> dict[str, Verdict]:
         return self._verdicts
@@ -52,13 +90,20 @@ class SpendTracker:
     def refresh(self) -> None:
         """Re-read the file if it changed, then the budgeted tenants' spend this month."""
         self._reload()
+        started = time.monotonic()
         budgets = self.table.budgets
         spent = dict.fromkeys(budgets, Decimal(0))
         if budgets:
             start, end = period(self.clock(), "month")
             for rollup in self.ledger.rollups(start, end, list(budgets), DAY):
                 spent[rollup.tenant_id] += cost(rollup, self.tiers)
-        self._verdicts = {t: Verdict(budgets[t], s) for t, s in spent.items()}
+        with self._lock:
+            self._verdicts = {t: Verdict(budgets[t], s) for t, s in spent.items()}
+            for key, hold in list(self._holds.items()):
+                if hold.ended_at is not None and hold.ended_at < started:
+                    del self._holds[key]  # its record is in the spend just read
+                    self._held[hold.tenant_id] -= hold.amount
+            self._held = {t: v for t, v in self._held.items() if v}
 
     def _reload(self) -> None:
         mtime = _mtime(self.path)

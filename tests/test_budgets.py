@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 from records import NOV, rec
 
-from engine.budgets import BudgetConfigError, BudgetTable
+from engine.budgets import BudgetConfigError, BudgetTable, estimate
 from exporters.billing import record_cost
 from exporters.ledger import UsageLedger
 from exporters.spend import SpendTracker
@@ -98,3 +98,39 @@ def test_the_budget_file_is_reloaded_when_it_changes_and_a_bad_edit_is_ignored(
     os.utime(path, ns=(2, 2))
     tracker.refresh()
     assert tracker.verdict("acme").budget.monthly == Decimal("1000")  # the last good table
+
+
+def test_requests_in_flight_hold_their_estimate_until_a_refresh_reads_their_record(
+    ledger, tiers, tmp_path
+):
+    """40 requests arriving together once all passed on the same stale spend (1,837% of a
+    block budget). Each now holds an upper bound of its cost under one lock."""
+    path = tmp_path / "budgets.toml"
+    path.write_text('[tenants.burst]\nmonthly = "0.005"\non_exceed = "block"\n')
+    tracker = SpendTracker(ledger, tiers, str(path), clock=lambda: NOV + 86400 * 25)
+    tracker.refresh()
+    prices = tiers["standard"].prices
+    one = estimate(200, {"max_tokens": 12}, 1, prices.input_per_1k, prices.output_per_1k)
+    holds = [tracker.hold("burst", one) for _ in range(40)]
+    admitted = [h for h in holds if h is not None]
+    assert 0 < len(admitted) < 40
+    assert len(admitted) * one <= Decimal("0.005") < (len(admitted) + 1) * one
+    assert tracker.verdict("burst").spent == len(admitted) * one
+    for hold in admitted:
+        tracker.release(hold)
+    assert tracker.hold("burst", one) is None  # ended, but no refresh has read them yet
+    # Their records land (one here, cheaper than its estimate); the next refresh reads
+    # it and lets every ended hold go.
+    ledger.write([rec(100, "burst", "standard", at=NOV + 86400 * 25 - 60)])
+    tracker.refresh()
+    assert tracker.verdict("burst").spent == record_cost(rec(100, "burst", "standard"), tiers)
+    assert tracker.hold("burst", one) is not None
+
+
+def test_an_estimate_bounds_the_tokens_a_body_can_cost():
+    doc = {"max_tokens": 12, "messages": [{"role": "user", "content": "hi"}]}
+    price_in, price_out = Decimal("1"), Decimal("2")
+    assert (
+        estimate(100, doc, 3, price_in, price_out) == Decimal(3 * (100 + 256) + 2 * 3 * 12) / 1000
+    )
+    assert estimate(100, {}, 1, price_in, price_out) == Decimal(356 + 2 * 4096) / 1000

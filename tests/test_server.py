@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -36,6 +37,9 @@ on_exceed = "block"
 monthly = "0.000001"
 [tenants.roomy]
 monthly = "1000000"
+on_exceed = "block"
+[tenants.burst]
+monthly = "0.005"
 on_exceed = "block"
 """
 
@@ -78,28 +82,69 @@ def test_openai_client_chats_and_completes_with_a_minted_token(server):
     assert [m.id for m in c.models.list()] == [MODEL]
 
 
-def _spend_until_refused(c: openai.OpenAI) -> openai.RateLimitError:
-    """Requests until the budget refresher has seen the spend (it runs every second, off
-    the request path): bounded by count, each attempt a real request."""
-    for _ in range(120):
-        try:
-            c.completions.create(model=MODEL, prompt="Budgets", max_tokens=4)
-        except openai.RateLimitError as exc:
-            return exc
-        time.sleep(0.5)
-    raise AssertionError("the budget never blocked")
-
-
-def test_a_tenant_past_its_budget_gets_429_budget_exceeded_in_openai_shape(server):
-    refused = _spend_until_refused(client(server, "spender", "standard"))
-    error = refused.body if isinstance(refused.body, dict) else {}
-    assert refused.status_code == 429 and refused.code == "budget_exceeded"
-    assert "monthly budget" in error.get("message", "") and error.get("type")
-    assert int(refused.response.headers["retry-after"]) > 0
-    # The gauge the KvleaseBudgetNearlySpent / KvleaseBudgetExceeded alerts read.
+def _budget_gauge(server, tenant: str) -> float:
     metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
-    gauge = 'vllm_tenant_budget_used_ratio{tenant_id="spender"}'
-    assert float(next(x for x in metrics if x.startswith(gauge)).rsplit(" ", 1)[1]) >= 1
+    gauge = f'vllm_tenant_budget_used_ratio{{tenant_id="{tenant}"}}'
+    return float(next(x for x in metrics if x.startswith(gauge)).rsplit(" ", 1)[1])
+
+
+def test_a_tenant_past_its_budget_gets_429_budget_exceeded_in_openai_shape(server, usage_db):
+    """The month's spend (a record already in the ledger) is past the budget: once the
+    refresher (every second, off the request path) has read it, requests get 429."""
+    from dataclasses import replace
+
+    from records import rec
+
+    from exporters.ledger import UsageLedger
+
+    now = time.time()
+    spent = replace(rec(7, "spender", "standard"), started_at=now - 2, ended_at=now)
+    UsageLedger(usage_db, create=False).write([spent])
+    c = client(server, "spender", "standard")
+    for _ in range(120):  # bounded by count: each attempt a real scrape
+        if _budget_gauge(server, "spender") >= 1:  # the KvleaseBudgetExceeded alert's gauge
+            break
+        time.sleep(0.5)
+    with pytest.raises(openai.RateLimitError) as refused:
+        c.completions.create(model=MODEL, prompt="Budgets", max_tokens=4)
+    error = refused.value.body if isinstance(refused.value.body, dict) else {}
+    assert refused.value.status_code == 429 and refused.value.code == "budget_exceeded"
+    assert "monthly budget" in error.get("message", "") and error.get("type")
+    assert int(refused.value.response.headers["retry-after"]) > 0
+    assert _budget_gauge(server, "spender") >= 1
+
+
+def test_a_burst_cannot_spend_past_a_block_budget(server, usage_db):
+    """40 requests at once on a fresh budget: each holds an upper bound of its cost while
+    it runs, so the admitted ones cannot all pass on the same spend (main: all 40 were
+    served and billed 1,837% of a budget)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.tenancy import TierTable
+    from exporters.billing import record_cost
+    from exporters.ledger import UsageLedger
+
+    headers = server.headers("burst", "premium")
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "ignore_eos": True}
+
+    def one(_):
+        return httpx.post(
+            f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=120
+        )
+
+    with ThreadPoolExecutor(40) as pool:
+        replies = list(pool.map(one, range(40)))
+    statuses = sorted(r.status_code for r in replies)
+    assert set(statuses) == {200, 429} and statuses.count(200) < 40, statuses
+    refused = next(r for r in replies if r.status_code == 429).json()["error"]
+    assert refused["code"] == "budget_exceeded"
+    records = list(UsageLedger(usage_db, create=False).read(0, 4e9, ["burst"]))
+    assert len(records) == statuses.count(200)
+    tiers = TierTable.load()
+    spent = sum(record_cost(r, tiers) for r in records)
+    # Token costs are held from above; only KV block-hours (unknown until a request
+    # ends, 0.01 USD a block-hour here) can pass the budget, by a few millionths.
+    assert spent <= Decimal("0.005") + Decimal("0.00001"), spent
 
 
 def test_a_warned_tenant_past_its_budget_is_served_with_a_header(server):
