@@ -8,6 +8,7 @@ Routes trust only the identity TenantMiddleware verified and left in
 
 from __future__ import annotations
 
+import json
 import logging
 from argparse import Namespace
 from collections.abc import Iterator
@@ -124,8 +125,12 @@ async def usage_csv(request: Request) -> Any:
 
 
 async def usage_json(request: Request) -> Any:
-    """FOCUS rows as JSON: finance and admin see every tenant, a tenant only itself.
-    Read in a worker thread: a month of records never stalls the event loop."""
+    """FOCUS rows as JSON, `{"tenant_filter": [...], "rows": [...]}`: finance and admin see
+    every tenant, a tenant only itself. Streamed as it is read, in a worker thread, 500
+    rows a chunk: a month of 240,000 rows never sits whole in memory nor stalls the event
+    loop (it once built 383 MB and held /health 3.9 s). A ledger that fails before the
+    first row is a 503; one that fails later breaks the chunked body, never a short
+    document that parses."""
     ctx = getattr(request.state, STATE_KEY, None)
     if ctx is None:
         return _error(401, "usage routes need kvlease's TenantMiddleware", "missing_token")
@@ -137,17 +142,39 @@ async def usage_json(request: Request) -> Any:
     if not ({"finance", "admin"} & ctx.roles):
         tenants = [ctx.tenant_id]  # a tenant sees its own usage only
 
-    def rows() -> list[dict[str, str]]:
+    def open_rows() -> tuple[Iterator[str], str]:
         found = usage(TELEMETRY.ledger(), (start, end), granularity, tenants)
-        return list(focus_rows(found, granularity, TierTable.load(), (start, end)))
+        rows = focus_rows(found, granularity, TierTable.load(), (start, end))
+        chunks = _json_chunks(rows)
+        head = json.dumps({"tenant_filter": tenants})[:-1] + ', "rows": ['
+        return chunks, head + next(chunks)
 
     try:
-        found = await run_in_threadpool(rows)
+        chunks, first = await run_in_threadpool(open_rows)
     except (LedgerError, SQLAlchemyError) as exc:
         return _error(503, f"the usage ledger is not readable: {one_line(exc)}", "ledger_error")
     except UnpricedRecord as exc:
         return _error(503, str(exc), "unpriced_record")
-    return {"tenant_filter": tenants, "rows": found}
+
+    def body() -> Iterator[str]:
+        yield first
+        yield from chunks
+        yield "]}"
+
+    return StreamingResponse(body(), media_type="application/json")
+
+
+def _json_chunks(rows: Iterator[dict[str, str]], size: int = 500) -> Iterator[str]:
+    """The rows as the inside of a JSON array, `size` a chunk; at least one chunk."""
+    buffer: list[str] = []
+    separator = ""
+    for row in rows:
+        buffer.append(separator + json.dumps(row))
+        separator = ","
+        if len(buffer) == size:
+            yield "".join(buffer)
+            buffer = []
+    yield "".join(buffer)
 
 
 async def ready(request: Request) -> Any:

@@ -46,13 +46,14 @@ from engine.auth import (
     KeyRing,
     valid_id,
 )
-from engine.budgets import Verdict
+from engine.budgets import Verdict, estimate
 from engine.labels import TenantLabels
 from engine.tenancy import TenantContext, TierTable
 from exporters.billing import period
 from exporters.join import InFlight, new_request_id
 from exporters.ledger import records
 from exporters.metrics import multiprocess
+from exporters.spend import Hold
 from exporters.telemetry import TELEMETRY
 from exporters.writer import wait_seconds
 
@@ -64,6 +65,9 @@ Send = Callable[[Message], Awaitable[None]]
 logger = logging.getLogger("kvlease.server")
 SALT_KEY_ENV = "KVLEASE_CACHE_SALT_KEY"
 MAX_BODY_ENV = "KVLEASE_MAX_BODY_BYTES"
+# Bytes of request bodies this API process holds at once (read, parsed, handed to vLLM
+# until its response ends): past it a new body waits for none of them, it gets a 503.
+BODIES_ENV = "KVLEASE_MAX_BODY_BYTES_IN_FLIGHT"
 METRICS_AUTH_ENV = "KVLEASE_METRICS_AUTH"
 # vLLM's --data-parallel-size, which `kvlease serve` copies here: the ranks to pin over.
 DATA_PARALLEL_ENV = "KVLEASE_DATA_PARALLEL_SIZE"
@@ -145,6 +149,7 @@ class ServerConfig:
     tiers: TierTable
     salt_key: bytes
     max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
     metrics_auth: bool = False  # /metrics needs a token with the metrics (or admin) role
     data_parallel_size: int = 1  # engines behind this server; sessions are pinned to one
 
@@ -166,8 +171,11 @@ class ServerConfig:
         salt_key = raw_key.encode() if raw_key else secrets.token_bytes(32)
         try:
             max_body = int(os.environ.get(MAX_BODY_ENV, 16 * 1024 * 1024))
+            bodies = int(os.environ.get(BODIES_ENV, 4 * max_body))
         except ValueError:
-            raise ConfigError(f"{MAX_BODY_ENV} must be a number of bytes") from None
+            raise ConfigError(f"{MAX_BODY_ENV} and {BODIES_ENV} are numbers of bytes") from None
+        if not 0 < max_body <= bodies:
+            raise ConfigError(f"need 0 < {MAX_BODY_ENV} <= {BODIES_ENV}")
         try:
             TenantLabels.from_env()  # labels are made in two processes: fail here, not there
         except ValueError as exc:
@@ -176,7 +184,7 @@ class ServerConfig:
         ranks = os.environ.get(DATA_PARALLEL_ENV, "1")
         if not ranks.isdigit() or int(ranks) < 1:
             raise ConfigError(f"{DATA_PARALLEL_ENV} must be a whole number >= 1, not {ranks!r}")
-        return cls(auth, tiers, salt_key, max_body, metrics_auth, int(ranks))
+        return cls(auth, tiers, salt_key, max_body, bodies, metrics_auth, int(ranks))
 
     def cache_salt(self, tenant_id: str) -> str:
         return hmac.new(self.salt_key, tenant_id.encode(), hashlib.sha256).hexdigest()
@@ -322,6 +330,7 @@ class TenantMiddleware:
         self.app = app
         self.config = config or ServerConfig.from_env()
         self.in_flight: Counter[str] = Counter()
+        self.body_bytes = 0  # of the request bodies this process holds (BODIES_ENV)
         self._response_owner: OrderedDict[str, str] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -448,12 +457,31 @@ class TenantMiddleware:
         if ctx.session_id is not None and self.config.data_parallel_size > 1:
             rank = session_rank(ctx.tenant_id, ctx.session_id, self.config.data_parallel_size)
             scope["headers"].append((RANK_HEADER, str(rank).encode()))
-        if scope["method"] == "POST":
-            rewritten = await self._rewrite_body(scope, receive, send, entry, request_id)
-            if rewritten is None:
-                return  # already answered with an error
-            receive = rewritten
+        if scope["method"] != "POST":
+            await self._forward(scope, receive, send, entry, request_id, None, headers)
+            return
+        body = await self._read_body(receive, send)
+        if body is None:
+            return  # already answered with an error
+        try:  # the body stays counted in `body_bytes` until its response has ended
+            rewritten = await self._rewrite_body(scope, body, receive, send, entry, request_id)
+            if rewritten is not None:
+                receive, hold = rewritten
+                await self._forward(scope, receive, send, entry, request_id, hold, headers)
+        finally:
+            self.body_bytes -= len(body)
 
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        entry: InFlight,
+        request_id: str,
+        hold: Hold | None,
+        headers=(),
+    ) -> None:
+        """Hand the request to vLLM and follow its response to the usage record."""
         join, writer = TELEMETRY.join, TELEMETRY.writer
         record = None  # resolved once this request's usage record has committed
         if writer is not None and scope["path"] in GENERATION_PATHS:
@@ -466,6 +494,8 @@ class TenantMiddleware:
         try:
             await self.app(scope, receive, response.send)
         finally:
+            if hold is not None:
+                TELEMETRY.budgets.release(hold)
             if record is not None:
                 writer.forget(request_id)
             if engine and not response.ended:
@@ -476,29 +506,46 @@ class TenantMiddleware:
         headers = [(b"www-authenticate", b'Bearer realm="kvlease"')] if status == 401 else []
         await send_error(send, status, message, code, headers)
 
+    async def _read_body(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, its bytes counted in `body_bytes` (released by `_admitted` when
+        the request ends); None after a 413 (one body too large), a 503 (the bodies in
+        flight would pass their bound) or a disconnect."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                self.body_bytes += len(chunk)
+                chunks.append(chunk)
+                if size > self.config.max_body_bytes:
+                    msg = f"request body is larger than {self.config.max_body_bytes} bytes"
+                    await send_error(send, 413, msg, "body_too_large")
+                    return None
+                if self.body_bytes > self.config.max_body_bytes_in_flight:
+                    msg = "the server holds as many request bodies as it may; retry shortly"
+                    await send_error(send, 503, msg, "server_busy", [(b"retry-after", b"1")])
+                    return None
+                if not message.get("more_body", False):
+                    size = 0  # kept: released when the request ends
+                    return b"".join(chunks)
+        finally:
+            self.body_bytes -= size
+
     async def _rewrite_body(
-        self, scope: Scope, receive: Receive, send: Send, entry: InFlight, request_id: str
-    ) -> Receive | None:
-        """Read the body, put the tenant fields in, and replay it to the app."""
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.config.max_body_bytes:
-                await send_error(
-                    send,
-                    413,
-                    f"request body is larger than {self.config.max_body_bytes} bytes",
-                    "body_too_large",
-                )
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        self,
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+        entry: InFlight,
+        request_id: str,
+    ) -> tuple[Receive, Hold | None] | None:
+        """Put the tenant fields in the body, hold its estimated cost against the tenant's
+        budget, and replay it to the app; None after answering with an error."""
         content_type = (_header(scope, b"content-type") or "application/json").split(";")[0]
         if content_type.strip().lower() != "application/json":
             # Only a JSON body can carry the tenant fields; anything else would reach
@@ -523,10 +570,17 @@ class TenantMiddleware:
                 msg = f"Response with id '{doc['previous_response_id']}' not found."
                 await send_error(send, 404, msg, "not_found")
                 return None
+            hold = None
+            if TELEMETRY.budgets is not None and TELEMETRY.budgets.verdict(entry.ctx.tenant_id):
+                hold = await self._hold(send, doc, len(body), scope["path"], entry.ctx)
+                if hold is None:
+                    return None  # already answered with an error
             body = self._with_tenant_fields(doc, scope["path"], entry, request_id)
             scope["headers"] = [
                 (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
             ] + [(b"content-length", str(len(body)).encode())]
+        else:
+            hold = None
         replayed = False
 
         async def replay() -> Message:
@@ -536,7 +590,28 @@ class TenantMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: disconnects reach vLLM as usual
 
-        return replay
+        return replay, hold
+
+    async def _hold(
+        self, send: Send, doc: dict, size: int, path: str, ctx: TenantContext
+    ) -> Hold | None:
+        """Hold the request's estimated cost (engine.budgets.estimate) against the
+        tenant's budget; None after a 429 when a `block` budget cannot take it."""
+        prices = self.config.tiers[ctx.tier].prices
+        choices = engine_requests(path, doc) or 1
+        amount = estimate(size, doc, choices, prices.input_per_1k, prices.output_per_1k)
+        hold = TELEMETRY.budgets.hold(ctx.tenant_id, amount)
+        if hold is None:
+            await send_error(
+                send,
+                429,
+                f"tenant {ctx.tenant_id!r}: this request (up to {amount:.6f} "
+                f"{self.config.tiers.currency}) with those in flight could pass its monthly "
+                "budget; it renews at the start of the next month (UTC)",
+                "budget_exceeded",
+                [(b"retry-after", b"1")],
+            )
+        return hold
 
     def _someone_elses_response(self, path: str, ctx: TenantContext) -> bool:
         parts = path.split("/")  # "", "v1", "responses", id[, "cancel"]

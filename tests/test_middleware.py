@@ -509,3 +509,52 @@ def test_a_model_name_no_ledger_can_store_is_refused(app, hs_ring, tiers):
         app, "/v1/chat/completions", body=body, headers=[bearer(hs_ring, tiers), JSON]
     )
     assert status == 400 and "longer than 200" in json.loads(out)["error"]["message"]
+
+
+def test_the_bodies_in_flight_are_bounded_and_released_when_their_requests_end(hs_ring, tiers):
+    """One 15 MB body was admitted on the free tier, and eight made about 3 GB: now the
+    bodies one API process holds at once are bounded, past it a 503 asks to retry."""
+    import dataclasses
+
+    config = ServerConfig(Authenticator(hs_ring, tiers), tiers, b"k" * 32)
+    config = dataclasses.replace(config, max_body_bytes=1000, max_body_bytes_in_flight=2500)
+    release = asyncio.Event()
+
+    class Slow(Recorder):
+        async def __call__(self, scope, receive, send):
+            await release.wait()
+            await super().__call__(scope, receive, send)
+
+    app = TenantMiddleware(Slow(), config)
+    body = json.dumps({"model": "m", "prompt": "x" * 900}).encode()
+    headers = [(k.lower().encode(), v.encode()) for k, v in (bearer(hs_ring, tiers), JSON)]
+
+    async def one() -> int:
+        sent = []
+        done = False
+
+        async def receive():
+            nonlocal done
+            if done:
+                await asyncio.sleep(3600)
+            done = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+        await app(scope, receive, send)
+        return next(m for m in sent if m["type"] == "http.response.start")["status"]
+
+    async def main():
+        tasks = [asyncio.create_task(one()) for _ in range(4)]
+        while sum(t.done() for t in tasks) < 2:  # the two refused answer at once
+            await asyncio.sleep(0)
+        assert app.body_bytes == 2 * len(body)  # two held, waiting in the app
+        release.set()
+        statuses = sorted(await asyncio.gather(*tasks))
+        assert app.body_bytes == 0
+        return statuses
+
+    assert asyncio.run(main()) == [200, 200, 503, 503]
