@@ -304,9 +304,11 @@ def what_if_page() -> None:
         today = datetime.now(UTC).date()
         start = c1.date_input("From (UTC)", today - timedelta(days=7), key="whatif_from")
         end = c2.date_input("To (UTC, exclusive)", today, key="whatif_to")
-        trace = st.text_input("Trace CSV (a path on this machine)", key="whatif_trace")
+        folder = CONFIG.whatif_dir or f"(set {whatif.WHATIF_DIR_ENV})"
+        trace = st.text_input(f"Trace CSV (a file under {folder})", key="whatif_trace")
         tiers = st.text_input(
-            "Proposed tier table (TOML path; empty: the one in force)", key="whatif_tiers"
+            f"Proposed tier table (a TOML file under {folder}; empty: the one in force)",
+            key="whatif_tiers",
         )
         assign = st.text_area(
             "Move tenants (TOML)", placeholder='[tenants]\nacme = "premium"', key="whatif_assign"
@@ -317,15 +319,21 @@ def what_if_page() -> None:
         speed = c3.number_input("Traffic speed", 0.1, 100.0, 1.0, key="whatif_speed")
         run = st.form_submit_button("Run replay")
     if run:
+        try:
+            trace = whatif.allowed_file(trace, CONFIG.whatif_dir) if source == "trace" else None
+            tiers = whatif.allowed_file(tiers, CONFIG.whatif_dir) if tiers else None
+        except whatif.InputError as exc:
+            st.error(str(exc))
+            return
         job = st.session_state.get("whatif_job")
         if job is not None:
             job.stop()
         new = whatif.ReplayJob()
         argv = whatif.replay_argv(
-            trace=trace if source == "trace" else None,
+            trace=trace,
             start=str(start),
             end=str(end),
-            tiers=tiers or None,
+            tiers=tiers,
             assign=new.write("assign.toml", assign) if assign.strip() else None,
             pool_blocks=int(pool),
             current_pool_blocks=int(current),

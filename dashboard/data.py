@@ -36,6 +36,7 @@ PROMETHEUS_ENV = "KVLEASE_DASHBOARD_PROMETHEUS"
 TOKEN_ENV = "KVLEASE_DASHBOARD_TOKEN"
 REFRESH_ENV = "KVLEASE_DASHBOARD_REFRESH_SECONDS"
 PASSWORD_ENV = "KVLEASE_DASHBOARD_PASSWORD"  # the variable's name; the password lives only there
+WHATIF_DIR_ENV = "KVLEASE_WHATIF_DIR"  # the only folder the What if page reads files from
 
 OCCUPANCY_COLUMNS = ["t", "tenant_id", "state", "blocks"]
 TENANT_COLUMNS = [
@@ -73,6 +74,7 @@ class Config:
     token: str | None  # stays in this process: never sent to a browser
     refresh_seconds: float = 2.0
     password: str | None = None  # the login every browser session must pass
+    whatif_dir: str | None = None  # the What if page reads traces and tier tables here only
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Config:
@@ -84,6 +86,7 @@ class Config:
             token=env.get(TOKEN_ENV) or None,
             refresh_seconds=max(2.0, float(env.get(REFRESH_ENV) or 2.0)),
             password=env.get(PASSWORD_ENV) or None,
+            whatif_dir=env.get(WHATIF_DIR_ENV) or None,
         )
 
     def password_matches(self, attempt: str) -> bool:

@@ -4,23 +4,39 @@ DataFrames.
 The page never replays in its own process (a replay loads vLLM, and the dashboard
 must not): `ReplayJob` starts `kvlease replay --json FILE` as a child process and
 reads the file when the child ends, and its progress bar's last line meanwhile.
+
+Whoever can open the page can name files for the replay to read, so the page reads
+only regular files under `KVLEASE_WHATIF_DIR`, of at most `MAX_INPUT_BYTES`
+(`allowed_file`), and answers the same for a file that is missing as for one outside
+that folder. The child is bounded: `CHILD_CPU_SECONDS` of CPU (the kernel ends it past
+that) and `CHILD_MAX_RSS_BYTES` of memory (checked on every poll). A job's folder is
+removed when the job is stopped, replaced, or the dashboard exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import resource
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from dashboard.data import WHATIF_DIR_ENV
 from exporters.ledger import DB_ENV
 
+MAX_INPUT_BYTES = 256 * 2**20
+CHILD_CPU_SECONDS = 3600
+CHILD_MAX_RSS_BYTES = 6 * 2**30
 SIDES = ("current", "proposed")
 # The figures of a tier or tenant shown in tables: (JSON key, title).
 COLUMNS = (
@@ -47,13 +63,44 @@ TIER_FIGURES = (
 )
 
 
-@dataclass
+class InputError(ValueError):
+    """A file the page may not read; the message never says whether it exists."""
+
+
+def allowed_file(name: str, folder: str | None) -> str:
+    """`name` (relative to `folder`, or absolute) as a path the replay may read: a
+    regular file under `folder` (symbolic links resolved) of at most MAX_INPUT_BYTES."""
+    if not folder:
+        raise InputError(f"reading files is off: set {WHATIF_DIR_ENV} to the folder to read")
+    root = Path(folder).resolve()
+    path = (root / name).resolve()
+    refusal = InputError(f"{name!r} is not a readable file under {root}")
+    if root not in path.parents:
+        raise refusal
+    try:
+        info = path.stat()
+    except OSError:
+        raise refusal from None
+    if not stat.S_ISREG(info.st_mode):
+        raise refusal  # /dev/zero, a folder, a pipe
+    if info.st_size > MAX_INPUT_BYTES:
+        raise InputError(f"{name!r} is larger than {MAX_INPUT_BYTES // 2**20} MiB")
+    return str(path)
+
+
+_JOBS: weakref.WeakSet[ReplayJob] = weakref.WeakSet()
+
+
+@dataclass(eq=False)
 class ReplayJob:
     """One background `kvlease replay` and its folder. `poll()` never blocks."""
 
     folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvlease-whatif-")))
     process: subprocess.Popen | None = None
     report: dict[str, Any] | None = None  # read once, when the child has ended
+
+    def __post_init__(self) -> None:
+        _JOBS.add(self)
 
     @property
     def report_path(self) -> Path:
@@ -76,13 +123,19 @@ class ReplayJob:
         command += ["--json", str(self.report_path)]
         env = {**os.environ, **({DB_ENV: usage_db} if usage_db else {})}
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_bound_child
+            )
         return self
 
     def poll(self) -> tuple[str, Any]:
         """("running", the progress line), ("done", the report) or ("failed", the error)."""
         code = self.process.poll() if self.process else None
         if code is None:
+            if _rss(self.process.pid) > CHILD_MAX_RSS_BYTES:
+                self.process.kill()
+                self.process.wait()
+                return "failed", f"the replay used more than {CHILD_MAX_RSS_BYTES >> 30} GiB"
             return "running", self._last_line()
         if code == 0 and self.report_path.exists():
             if self.report is None:
@@ -91,8 +144,15 @@ class ReplayJob:
         return "failed", self._last_line() or f"kvlease replay exited with status {code}"
 
     def stop(self) -> None:
+        """End the child (if running) and remove the job's folder."""
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def _last_line(self) -> str:
         """The log's last non-empty line, or of a progress bar its last redraw."""
@@ -102,6 +162,28 @@ class ReplayJob:
             return ""
         parts = [p.strip() for p in text.replace("\r", "\n").split("\n") if p.strip()]
         return parts[-1] if parts else ""
+
+
+def _bound_child() -> None:
+    """In the child before exec: a CPU-time limit the kernel enforces."""
+    resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS + 5))
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+@atexit.register
+def stop_all() -> None:
+    """Every job this process started: children ended, folders removed."""
+    for job in list(_JOBS):
+        job.stop()
 
 
 def replay_argv(

@@ -10,7 +10,14 @@ from streamlit.testing.v1 import AppTest
 from dashboard import data
 from dashboard.launch import APP
 
-ENVS = (data.ENGINE_ENV, data.PROMETHEUS_ENV, data.TOKEN_ENV, data.PASSWORD_ENV, "KVLEASE_USAGE_DB")
+ENVS = (
+    data.ENGINE_ENV,
+    data.PROMETHEUS_ENV,
+    data.TOKEN_ENV,
+    data.PASSWORD_ENV,
+    data.WHATIF_DIR_ENV,
+    "KVLEASE_USAGE_DB",
+)
 
 
 @pytest.fixture
@@ -138,10 +145,10 @@ def test_what_if_page_replays_a_trace_in_the_background_and_shows_both_sides(pag
     turns = generate(spec)
     save_trace(turns, trace)
     moved = next(t.tenant_id for t in turns if t.tier == "free")
-    app = page("whatif")
+    app = page("whatif", **{data.WHATIF_DIR_ENV: str(tmp_path)})
     assert not app.exception
     assert app.radio(key="whatif_source").value == "trace"  # no ledger configured
-    app.text_input(key="whatif_trace").set_value(str(trace))
+    app.text_input(key="whatif_trace").set_value("trace.csv")
     app.text_area(key="whatif_assign").set_value(f'[tenants]\n"{moved}" = "premium"\n')
     app.number_input(key="whatif_pool").set_value(32)
     next(b for b in app.button if b.label == "Run replay").click()
@@ -155,3 +162,48 @@ def test_what_if_page_replays_a_trace_in_the_background_and_shows_both_sides(pag
     premium = tiers.set_index("tier").loc["premium", "requests"]
     assert "->" in premium  # the moved tenant's requests joined premium in the proposed table
     assert len(app.get("plotly_chart")) == 6
+    folder = job.folder
+    job.stop()
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "../outside.csv", "missing.csv", "/etc/passwd"])
+def test_what_if_reads_only_regular_files_under_its_folder(page, tmp_path, name):
+    """/dev/zero once took the replay child to 2.7 GB in 5 s; errors told which files
+    existed. Every refusal reads the same, and no replay starts."""
+    (tmp_path / "outside.csv").write_text("tenant_id\nsecret-cell\n")
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    app = page("whatif", **{data.WHATIF_DIR_ENV: str(inside)})
+    app.text_input(key="whatif_trace").set_value(name)
+    next(b for b in app.button if b.label == "Run replay").click()
+    app.run()
+    assert "whatif_job" not in app.session_state
+    [error] = app.error
+    assert error.value == f"{name!r} is not a readable file under {inside.resolve()}"
+    assert "secret-cell" not in error.value
+
+
+def test_what_if_reads_no_file_without_its_folder(page):
+    app = page("whatif")
+    app.text_input(key="whatif_trace").set_value("/etc/hosts")
+    next(b for b in app.button if b.label == "Run replay").click()
+    app.run()
+    assert "whatif_job" not in app.session_state
+    assert data.WHATIF_DIR_ENV in app.error[0].value
+
+
+def test_a_replay_child_past_its_memory_bound_is_ended(monkeypatch):
+    import subprocess
+    import sys
+
+    from dashboard import whatif
+
+    monkeypatch.setattr(whatif, "CHILD_MAX_RSS_BYTES", 1)  # any real process is past it
+    job = whatif.ReplayJob()
+    job.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    state, message = job.poll()
+    assert state == "failed" and "more than" in message
+    assert job.process.returncode is not None  # killed and reaped
+    job.stop()
+    assert not job.folder.exists()
