@@ -87,6 +87,7 @@ class InFlight:
     traceparent: str | None = None
     model: str | None = None
     engine_requests: int | None = 1  # engine requests it becomes; None: known at its end
+    streamed_tokens: int = 0  # output streamed so far (exporters.open_records journals it)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 from pathlib import Path
+from typing import NamedTuple
 
 from sqlalchemy import (
     Boolean,
@@ -110,12 +111,63 @@ MIGRATIONS: dict[int, Sequence[str] | Callable[[str], Sequence[str]]] = {
         *rollups.create(dialect),
         rollups.insert_rollups(dialect, "usage_records"),  # an older ledger's own sums
     ),
+    6: (
+        # Requests still streaming, refreshed by their server every few seconds
+        # (exporters.open_records): what a crash would otherwise leave unbilled.
+        "CREATE TABLE IF NOT EXISTS usage_open ("
+        " request_id VARCHAR(200) PRIMARY KEY, tenant_id VARCHAR(128) NOT NULL,"
+        " tier VARCHAR(32), session_id VARCHAR(128), model VARCHAR(200) NOT NULL,"
+        " started_at FLOAT NOT NULL, updated_at FLOAT NOT NULL,"
+        " output_tokens INTEGER NOT NULL, price_basis TEXT, owner VARCHAR(64) NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS usage_open_updated ON usage_open (updated_at)",
+    ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 MIGRATION_LOCK = 0x6B766C65617365  # "kvlease": the advisory lock key migrations take
 COLUMNS = tuple(c.name for c in records.columns)
 assert list(COLUMNS) == [f.name for f in fields(UsageRecord)]
 _row = attrgetter(*COLUMNS)  # a record as the tuple a driver binds, without asdict's copies
+
+
+class OpenRecord(NamedTuple):
+    """A request still in flight, as its server last journaled it."""
+
+    request_id: str
+    tenant_id: str
+    tier: str | None
+    session_id: str | None
+    model: str
+    started_at: float
+    updated_at: float
+    output_tokens: int
+    price_basis: str | None
+    owner: str  # the journaling process: it never recovers its own rows
+
+    def record(self) -> UsageRecord:
+        """The partial record of a request whose server stopped journaling it: what it
+        had streamed. Its input is not known in the API process before the end."""
+        return UsageRecord(
+            request_id=self.request_id,
+            tenant_id=self.tenant_id,
+            tier=self.tier,
+            session_id=self.session_id,
+            model=self.model,
+            started_at=self.started_at,
+            ended_at=max(self.updated_at, self.started_at),
+            input_tokens=0,
+            cached_input_tokens=0,
+            output_tokens=self.output_tokens,
+            recomputed_tokens=0,
+            preemptions=0,
+            kv_block_seconds=0.0,
+            outcome="aborted",
+            partial=True,
+            price_basis=self.price_basis,
+        )
+
+
+_OPEN_LIST = ", ".join(OpenRecord._fields)
+_OPEN_MARKS = ", ".join(f":{name}" for name in OpenRecord._fields)
 
 
 def rollup_of(r: UsageRecord) -> Rollup:
@@ -289,6 +341,40 @@ class UsageLedger:
                 for row in chunk:
                     yield rollups.from_row(row)
 
+    def journal(self, rows: Sequence[OpenRecord]) -> None:
+        """Write (or refresh) the open records of requests still in flight. A request whose
+        final record is already in `usage_records` is not journaled again."""
+        if not rows:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                text(
+                    f"INSERT INTO usage_open ({_OPEN_LIST}) VALUES ({_OPEN_MARKS})"
+                    " ON CONFLICT (request_id) DO UPDATE SET updated_at = excluded.updated_at,"
+                    " output_tokens = excluded.output_tokens, owner = excluded.owner"
+                ),
+                [r._asdict() for r in rows],
+            )
+            conn.execute(  # a tick that raced the request's end: its record is in
+                text(
+                    "DELETE FROM usage_open WHERE EXISTS (SELECT 1 FROM usage_records AS r"
+                    " WHERE r.request_id = usage_open.request_id)"
+                )
+            )
+
+    def recover_open(self, before: float, owner: str = "") -> int:
+        """Turn the open records of other owners not refreshed since `before` (their server
+        is gone) into partial usage records, outcome aborted: the output streamed until
+        then is billed. Idempotent, and safe with several replicas (a request already
+        recorded is skipped; `write` deletes the open rows it covers). Returns how many
+        records were new."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                text(f"SELECT {_OPEN_LIST} FROM usage_open WHERE updated_at < :b AND owner <> :o"),
+                {"b": before, "o": owner},
+            ).all()
+        return self.write(OpenRecord(*row).record() for row in rows) if rows else 0
+
     def rebuild_rollups(self) -> int:
         """Recompute the rollups from the records for every hour since the prune horizon
         (earlier hours have no records left to sum), in one transaction, with the
@@ -331,6 +417,8 @@ class UsageLedger:
 
 
 _COLUMN_LIST = ", ".join(COLUMNS)
+# A final record closes its request's open record, in the same transaction.
+_CLOSE_OPEN = "DELETE FROM usage_open WHERE request_id IN (SELECT request_id FROM usage_incoming)"
 _NEW_ONLY = (
     "DELETE FROM usage_incoming WHERE EXISTS"
     " (SELECT 1 FROM usage_records AS r WHERE r.request_id = usage_incoming.request_id)"
@@ -347,6 +435,7 @@ def _write_sqlite(conn, rows: list[tuple]) -> int:
     )
     marks = ", ".join("?" * len(COLUMNS))
     cursor.executemany(f"INSERT INTO usage_incoming ({_COLUMN_LIST}) VALUES ({marks})", rows)
+    cursor.execute(_CLOSE_OPEN)
     cursor.execute(_NEW_ONLY)
     cursor.execute(rollups.insert_rollups("sqlite", "usage_incoming"))
     cursor.execute(
@@ -365,6 +454,7 @@ def _write_postgresql(conn, rows: list[tuple]) -> int:
     with cursor.copy(f"COPY usage_incoming ({_COLUMN_LIST}) FROM STDIN") as copy:
         for row in rows:
             copy.write_row(row)
+    cursor.execute(_CLOSE_OPEN)
     # ON CONFLICT DO NOTHING under concurrency: an id another replica commits first is
     # waited for, then skipped, and only what this statement inserted is rolled up.
     cursor.execute(

@@ -34,6 +34,7 @@ from exporters import tracing
 from exporters.join import RequestJoin
 from exporters.ledger import DB_ENV, UsageLedger
 from exporters.metrics import TenantMetrics
+from exporters.open_records import OpenRecords
 from exporters.spend import SpendTracker
 from exporters.view import EngineView
 from exporters.writer import LedgerWriter
@@ -48,6 +49,7 @@ class Telemetry:
         self.metrics: TenantMetrics | None = None
         self.writer: LedgerWriter | None = None
         self.budgets: SpendTracker | None = None
+        self.open_records: OpenRecords | None = None
         self._tracer_provider: Any = None
         self._lock = threading.Lock()
         self._stopped = False
@@ -69,6 +71,10 @@ class Telemetry:
                 ledger = UsageLedger(os.environ[DB_ENV])
                 self.writer = LedgerWriter(ledger, tiers, metrics=metrics.process)
                 self.join.consumers.append(self.writer)
+                in_flight = lambda: list(self.join.in_flight.items())  # noqa: E731
+                self.open_records = OpenRecords(
+                    ledger, tiers, in_flight, self.writer.journal
+                ).start()
                 if os.environ.get(BUDGETS_ENV):
                     path = os.environ[BUDGETS_ENV]
                     self.budgets = SpendTracker(self.writer.ledger, tiers, path).start()
@@ -90,6 +96,8 @@ class Telemetry:
         self.view.stop()
         if self.budgets is not None:
             self.budgets.close()
+        if self.open_records is not None:
+            self.open_records.close()
         self.join.flush()  # pending spans and usage records go out now
         if self.writer is not None:
             self.writer.close()  # commit what is queued

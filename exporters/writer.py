@@ -29,7 +29,7 @@ from engine.labels import UNCLASSIFIED
 from engine.paths import kvlease_home, private_file
 from engine.tenancy import TierTable
 from exporters.join import FinishedRequest
-from exporters.ledger import UsageLedger, UsageRecord
+from exporters.ledger import OpenRecord, UsageLedger, UsageRecord
 from exporters.metrics import ProcessMetrics
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
@@ -90,7 +90,7 @@ class LedgerWriter:
         self.write_errors = 0
         self.dead_letters = 0
         self.metrics = metrics or ProcessMetrics()  # the same counts, for /metrics
-        self._queue: queue.Queue[UsageRecord | None] = queue.Queue()
+        self._queue: queue.Queue[UsageRecord | list[OpenRecord] | None] = queue.Queue()
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._committed_early: set[str] = set()
         self._lock = threading.Lock()
@@ -117,13 +117,19 @@ class LedgerWriter:
             self._waiters.pop(request_id, None)
             self._committed_early.discard(request_id)
 
+    def journal(self, rows: list[OpenRecord]) -> None:
+        """Queue the open records of streams in flight (exporters.open_records): written by
+        this thread too, so they never wait on SQLite's write lock behind the records."""
+        if rows:
+            self._queue.put(rows)
+
     def _run(self) -> None:
         stop = False
         while not stop:
             first = self._queue.get()
-            batch = [] if first is None else [first]
+            items = [] if first is None else [first]
             stop = first is None
-            while len(batch) < self.batch:
+            while len(items) < self.batch:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -131,9 +137,15 @@ class LedgerWriter:
                 if item is None:
                     stop = True
                     break
-                batch.append(item)
+                items.append(item)
+            batch = [item for item in items if isinstance(item, UsageRecord)]
             if batch:
                 self._commit(batch)
+            for rows in (item for item in items if isinstance(item, list)):
+                try:
+                    self.ledger.journal(rows)
+                except Exception as exc:  # the next tick writes them again
+                    logger.error("kvlease ledger: open records not written: %s", exc)
 
     def _commit(self, batch: list[UsageRecord]) -> None:
         delay = 0.5

@@ -20,7 +20,7 @@ from exporters.billing import (
     period,
     record_cost,
 )
-from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, UsageLedger, rollup_of
+from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, OpenRecord, UsageLedger, rollup_of
 from server.cli import main
 
 
@@ -405,3 +405,40 @@ def test_records_keep_the_lease_covered_tokens_through_the_database(tmp_path):
     ledger.write([rec(1, lease_covered_tokens=256)])
     [back] = list(ledger.read(0, 4e9))
     assert back.lease_covered_tokens == 256
+
+
+def _open(i: int, tokens: int, updated_at: float, owner: str = "gone") -> OpenRecord:
+    return OpenRecord(
+        rec(i).request_id, "acme", "premium", "s1", "m", NOV, updated_at, tokens, None, owner
+    )
+
+
+def test_a_stream_its_server_stopped_journaling_is_billed_as_a_partial_record(ledger):
+    """kill -9 mid-stream once left the tokens already streamed without a record."""
+    ledger.journal([_open(1, 10, NOV + 5), _open(2, 30, NOV + 5)])
+    ledger.journal([_open(1, 25, NOV + 10)])  # refreshed: later, more output
+    assert ledger.recover_open(NOV + 6) == 1  # only the one not refreshed since
+    [cut] = ledger.read(0, 4e9)
+    assert (cut.request_id, cut.output_tokens, cut.partial, cut.outcome) == (
+        rec(2).request_id,
+        30,
+        True,
+        "aborted",
+    )
+    assert cut.ended_at == NOV + 5 and cut.session_id == "s1"
+    assert ledger.recover_open(NOV + 6) == 0  # recovered once
+
+
+def test_a_server_never_bills_its_own_live_streams_as_cut(ledger):
+    ledger.journal([_open(1, 10, NOV + 5, owner="me")])
+    assert ledger.recover_open(NOV + 100, owner="me") == 0  # starved, not gone
+    assert ledger.recover_open(NOV + 100, owner="a-restarted-server") == 1
+
+
+def test_a_final_record_closes_its_open_record_and_is_the_only_one(ledger):
+    ledger.journal([_open(1, 10, NOV + 5)])
+    ledger.write([rec(1)])  # the request ended normally
+    ledger.journal([_open(1, 12, NOV + 6)])  # a late tick after the record: ignored
+    assert ledger.recover_open(NOV + 100) == 0
+    [only] = ledger.read(0, 4e9)
+    assert only == rec(1)
