@@ -164,7 +164,8 @@ TOKENS = Family(
 REQUESTS = Family(
     "vllm_tenant_requests_total",
     "counter",
-    "Finished requests by tenant and outcome (completed, aborted, failed).",
+    "Finished requests by tenant and outcome (completed, aborted, failed; refused: vLLM "
+    "answered 4xx before any engine work, so the request has no usage record).",
     ("tenant_id", "outcome"),
 )
 TTFT = Family(
@@ -344,6 +345,11 @@ class TenantMetrics:
         self.process.requests.labels(label, finish_outcome(stats.finish_reason)).inc()
         self.process.ttft.labels(tier_label).observe(stats.queued_time + stats.prefill_time)
         self.process.e2e.labels(tier_label).observe(stats.e2e_latency)
+
+    def request_refused(self, tenant: str) -> None:
+        """vLLM refused a tenant's request (HTTP 4xx: validation, an unknown model) before
+        any engine work: nothing to bill, so no usage record; counted here."""
+        self.process.requests.labels(self.labels(tenant), "refused").inc()
 
     def engine_event(self, event: object) -> None:
         """A request of this process left the engine: count its recomputed tokens (the

@@ -24,7 +24,9 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -126,6 +128,9 @@ REFUSED_PATHS = frozenset({"/v1/systemone"})
 DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority", RANK_HEADER})
 SESSION_HEADER = b"x-session-id"
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
+# Set when the server begins its SIGTERM drain (`kvlease serve` sets it, server.serve):
+# requests arriving then get 503 instead of reaching a half-stopped vLLM.
+DRAINING = threading.Event()
 
 
 ERROR_TYPES = {
@@ -353,6 +358,15 @@ class TenantMiddleware:
                 await _multiprocess_metrics(send)
                 return
             await self.app(scope, receive, send)
+            return
+        if DRAINING.is_set() and klass == "tenant":
+            await send_error(
+                send,
+                503,
+                "the server is shutting down; retry on another replica",
+                "shutting_down",
+                [(b"retry-after", b"5"), (b"connection", b"close")],
+            )
             return
         ctx = await self._verify(scope, send, klass)
         if ctx is None:
@@ -673,12 +687,19 @@ class _Response:
         self.headers = [(b"x-request-id", request_id.encode()), *headers]
         self.entry, self.engine = entry, engine
         self.unsupported = False
+        self.streaming = False  # a server-sent event stream
         self.hold = False
         self.ended = False  # the last body chunk went out
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.hold = self.record is not None and message["status"] == 200
+            self.streaming = any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                for k, v in message.get("headers", ())
+            )
+            if 400 <= message["status"] < 500 and self.engine and TELEMETRY.metrics:
+                TELEMETRY.metrics.request_refused(self.entry.ctx.tenant_id)
             if message["status"] == 501:
                 self.unsupported = True
                 msg = f"{self.path} is not supported by the served model"
@@ -687,14 +708,29 @@ class _Response:
             message["headers"] = [*message.get("headers", []), *self.headers]
         elif self.unsupported:
             return
-        elif not message.get("more_body", False):
-            if self.engine:
-                # Every engine request has produced its output: the join may count them.
-                TELEMETRY.join.request_ended(self.request_id, self.entry)
-            if self.hold:
-                await _until_committed(self.record, self.request_id)
-            self.ended = True
+        else:  # a body chunk
+            if self.streaming:
+                # What a crash would leave unbilled, journaled by exporters.open_records.
+                self.entry.streamed_tokens += streamed_tokens(message.get("body", b""))
+            if not message.get("more_body", False):
+                if self.engine:
+                    # Every engine request has produced its output: the join may count them.
+                    TELEMETRY.join.request_ended(self.request_id, self.entry)
+                if self.hold:
+                    await _until_committed(self.record, self.request_id)
+                self.ended = True
         await self._send(message)
+
+
+# A server-sent event carrying generated text: completions' "text", chat's "content",
+# the Responses API's and Anthropic's text deltas; a role-only or usage-only event is not.
+_TEXT_EVENT = re.compile(rb'^data: .*?"(?:text|content|delta)":"(?!")', re.MULTILINE)
+
+
+def streamed_tokens(chunk: bytes) -> int:
+    """Output tokens a body chunk of an SSE stream carries, counted as events with text:
+    a lower bound (vLLM may put several tokens in one event)."""
+    return len(_TEXT_EVENT.findall(chunk)) if b"data: " in chunk else 0
 
 
 def _budget_headers(verdict: Verdict | None) -> list[tuple[bytes, bytes]]:

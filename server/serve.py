@@ -253,10 +253,9 @@ def run_serve(argv: Sequence[str]) -> int:
         run_multi_api_server(vllm_args)  # engines here, API processes spawned; blocks
         return 0
 
-    import uvloop
-
     try:
-        uvloop.run(_serve(vllm_args))
+        with asyncio.Runner(loop_factory=_draining_loop()) as runner:
+            runner.run(_serve(vllm_args))
     except KeyboardInterrupt:
         return 0
     return 0
@@ -290,6 +289,32 @@ def scale_out(vllm_args: argparse.Namespace) -> int:
     else:
         vllm_args.api_server_count = None  # as vLLM's single-server path expects
     return api_servers
+
+
+def _draining_loop() -> type:
+    """uvloop's loop, telling the middleware when vLLM's SIGTERM/SIGINT drain begins.
+
+    vLLM keeps accepting connections while it drains, but its renderer is shut down,
+    so a request arriving then fails with a 500 ("cannot schedule new futures after
+    shutdown"). vLLM installs its drain handler with `loop.add_signal_handler`; this loop
+    runs `server.middleware.DRAINING.set` first, and the middleware answers new requests
+    with 503 and Retry-After from then on (a load balancer retries elsewhere)."""
+    import uvloop
+
+    from server.middleware import DRAINING
+
+    class Loop(uvloop.Loop):
+        def add_signal_handler(self, sig: int, callback, *args) -> None:
+            if sig in (signal.SIGTERM, signal.SIGINT):
+
+                def draining(*given) -> None:
+                    DRAINING.set()
+                    callback(*given)
+
+                return super().add_signal_handler(sig, draining, *args)
+            return super().add_signal_handler(sig, callback, *args)
+
+    return Loop
 
 
 async def _serve(args: argparse.Namespace) -> None:

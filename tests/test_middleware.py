@@ -558,3 +558,44 @@ def test_the_bodies_in_flight_are_bounded_and_released_when_their_requests_end(h
         return statuses
 
     assert asyncio.run(main()) == [200, 200, 503, 503]
+
+
+def test_requests_during_the_drain_get_503_and_public_routes_still_answer(app, hs_ring, tiers):
+    from server.middleware import DRAINING
+
+    DRAINING.set()
+    try:
+        body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+        status, headers, out = call(
+            app, "/v1/completions", body=body, headers=[bearer(hs_ring, tiers), JSON]
+        )
+        assert status == 503 and json.loads(out)["error"]["code"] == "shutting_down"
+        assert headers[b"retry-after"] == b"5"
+        assert call(app, "/health", method="GET")[0] == 200
+    finally:
+        DRAINING.clear()
+
+
+def test_streamed_output_is_counted_from_events_that_carry_text():
+    from server.middleware import streamed_tokens
+
+    chat = (
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+        b'data: {"id":"c","choices":[{"index":1,"delta":{"content":"lo"},"finish_reason":null}]}'
+        b"\n\n"
+    )
+    completion = b'data: {"id":"x","choices":[{"index":0,"text":" world","logprobs":null}]}\n\n'
+    usage_only = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n'
+    responses = (
+        b'event: response.created\ndata: {"type":"response.created"}\n\n'
+        b"event: response.output_text.delta\n"
+        b'data: {"type":"response.output_text.delta","delta":"Hi"}\n\n'
+    )
+    assert [streamed_tokens(c) for c in (chat, completion, usage_only, responses, b"")] == [
+        2,
+        1,
+        0,
+        1,
+        0,
+    ]

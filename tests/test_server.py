@@ -477,6 +477,17 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(server):
     worker.start()
     assert streaming.wait(60)  # the first token arrived: the request is in the engine
     sigterm_at = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    # A new request during the drain: vLLM's renderer is stopping, so it once got a 500.
+    late = httpx.post(
+        f"{server.url}/v1/completions",
+        headers=server.headers("late", "standard"),
+        json={"model": MODEL, "prompt": "Too late", "max_tokens": 2},
+        timeout=30,
+    )
+    assert "ended_at" not in result  # it came during the drain, the stream still running
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+    assert int(late.headers["retry-after"]) > 0
     code = server.stop(signal.SIGTERM, timeout=60)
     worker.join(30)
     assert code == 0

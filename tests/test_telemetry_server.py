@@ -95,6 +95,7 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.url,
             "OTEL_BSP_SCHEDULE_DELAY": "200",
             "KVLEASE_LEDGER_WAIT_SECONDS": "120",  # a record that never comes shows as a hang
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",  # stored responses, to continue them
         },
     )
 
@@ -516,3 +517,45 @@ def test_every_generation_route_of_vllms_router_is_billed_or_refused(loaded):
     for path in REFUSED_PATHS & set(tenant_posts):
         r = httpx.post(f"{loaded.url}{path}", json={}, headers=loaded.headers("t"), timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_supported"
+
+
+def test_a_request_vllm_refuses_is_counted_refused_and_has_no_record(loaded, usage_db):
+    r = httpx.post(
+        f"{loaded.url}/v1/completions",
+        timeout=60,
+        headers=loaded.headers("refused-t", "standard"),
+        json={"model": "kvlease-demo", "prompt": "x", "max_tokens": -1},
+    )
+    assert r.status_code == 400
+    families, _ = _families(loaded)
+    refused = _sum(
+        families,
+        "vllm_tenant_requests",
+        tenant_id="refused-t",
+        outcome="refused",
+        sample="vllm_tenant_requests_total",
+    )
+    assert refused == 1
+    assert [x for x in _ledger_records(usage_db) if x.tenant_id == "refused-t"] == []
+
+
+def test_only_the_owner_continues_a_stored_response(loaded):
+    """Another tenant's `previous_response_id` once put that tenant's conversation in the
+    prompt (200); it and an id that never existed now get the same 404."""
+    import openai
+
+    mine = _openai(loaded, "resp-owner").responses.create(
+        model="kvlease-demo", input="Remember the word cobalt.", max_output_tokens=8
+    )
+    follow = _openai(loaded, "resp-owner").responses.create(
+        model="kvlease-demo", input="Go on.", max_output_tokens=4, previous_response_id=mine.id
+    )
+    assert follow.id != mine.id
+    answers = []
+    for previous in (mine.id, "resp_kvl-" + "0" * 32):
+        with pytest.raises(openai.NotFoundError) as refused:
+            _openai(loaded, "resp-thief").responses.create(
+                model="kvlease-demo", input="Go on.", previous_response_id=previous
+            )
+        answers.append(refused.value.body["message"].replace(previous, "ID"))
+    assert answers[0] == answers[1]
