@@ -78,6 +78,8 @@ def test_plain_vllm_server_schedules_by_the_verified_tenant(plain):
 
 def test_metrics_need_the_metrics_role_and_never_name_a_tenant(plain):
     assert httpx.get(f"{plain.url}/metrics").status_code == 401
+    for path in ("/metrics", "/metrics/"):  # OPTIONS once answered 200 with every series
+        assert httpx.options(f"{plain.url}{path}").status_code == 401
     tenant_only = plain.headers("plain-tenant", "premium")
     assert httpx.get(f"{plain.url}/metrics", headers=tenant_only).status_code == 403
     scraper = plain.headers("prometheus", "free", roles=["metrics"])

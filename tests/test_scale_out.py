@@ -197,6 +197,8 @@ def test_one_scrape_counts_every_api_process_once(fleet):
     for i in range(12):  # a connection each: the kernel spreads them over the processes
         _complete(a, "count-co", f"count me {i}", tier="free")
     assert httpx.get(f"{a.url}/metrics", timeout=10).status_code == 401  # --metrics-auth
+    for path in ("/metrics", "/metrics/"):  # the multi-process answer too, whatever the method
+        assert httpx.options(f"{a.url}{path}", timeout=10).status_code == 401
     for _ in range(6):  # whichever process answers, the same totals
         own = _own(a, REQUESTS.family, tenant_id="count-co", outcome="completed")
         assert own == {("count-co", "completed"): 12}
