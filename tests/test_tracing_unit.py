@@ -102,6 +102,8 @@ def test_one_span_per_request_with_genai_and_kvlease_attributes(spans, stats_fir
         assembler.engine_event(event)
     if not stats_first:
         assembler.request_stats(_stats(), _entry())
+    assert exporter.get_finished_spans() == ()  # the response has not ended yet
+    assembler.request_ended(KVL, _entry())
     [span] = exporter.get_finished_spans()
     assert span.name == "chat kvlease-demo"
     assert format(span.context.trace_id, "032x") == TRACE_ID
