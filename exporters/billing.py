@@ -441,13 +441,16 @@ class _Context:
         ):
             shared[_COLUMN[name]] = value
         row_key = "\x1f".join((group.tenant_id, model, self.granularity, start, end))
-        for i, (consumed, pricing) in enumerate(g.quantities()):
-            yield self._row(shared, row_key, model, tier, g, i, consumed, pricing)
+        rows = zip(g.quantities(), g.costs(), strict=True)  # each computed once a group
+        for i, ((consumed, pricing), cost) in enumerate(rows):
+            yield self._row(shared, row_key, model, tier, g, i, consumed, pricing, cost)
 
-    def _row(self, shared, row_key, model, tier, g: Charges, i, consumed, pricing) -> list[str]:
+    def _row(
+        self, shared, row_key, model, tier, g: Charges, i, consumed, pricing, billed
+    ) -> list[str]:
         sku, pricing_unit, consumed_unit, what = SKUS[i]
         price = g.prices[i]
-        cost = _decimal(g.costs()[i])
+        cost = _decimal(billed)
         unit_price = _decimal(price)
         primary = i == 0  # request-level figures ride on the input row; 0 elsewhere
         sku_price = f"{sku}:{tier}:{unit_price}:{self.currency}"

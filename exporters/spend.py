@@ -33,7 +33,8 @@ logger = logging.getLogger("kvlease.budgets")
 
 @dataclass(eq=False)
 class Hold:
-    """What one admitted request holds against its tenant's budget."""
+    """What one admitted request holds against its tenant's budget (hashed by identity:
+    two requests holding the same amount are two holds)."""
 
     tenant_id: str
     amount: Decimal
@@ -52,7 +53,7 @@ class SpendTracker:
         self.table = BudgetTable.load(path)  # a bad file at start is the caller's error
         self._mtime = _mtime(path)
         self._verdicts: dict[str, Verdict] = {}
-        self._holds: dict[int, Hold] = {}  # in flight, or ended since the last refresh
+        self._holds: set[Hold] = set()  # in flight, or ended since the last refresh
         self._held: dict[str, Decimal] = {}  # per tenant, the sum of its holds
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -76,7 +77,7 @@ class SpendTracker:
             if verdict is None or verdict.refuses(amount):
                 return None
             hold = Hold(tenant_id, amount)
-            self._holds[id(hold)] = hold
+            self._holds.add(hold)
             self._held[tenant_id] = self._held.get(tenant_id, Decimal(0)) + amount
             return hold
 
@@ -99,10 +100,9 @@ class SpendTracker:
                 spent[rollup.tenant_id] += cost(rollup, self.tiers)
         with self._lock:
             self._verdicts = {t: Verdict(budgets[t], s) for t, s in spent.items()}
-            for key, hold in list(self._holds.items()):
-                if hold.ended_at is not None and hold.ended_at < started:
-                    del self._holds[key]  # its record is in the spend just read
-                    self._held[hold.tenant_id] -= hold.amount
+            for hold in [h for h in self._holds if h.ended_at is not None and h.ended_at < started]:
+                self._holds.remove(hold)  # its record is in the spend just read
+                self._held[hold.tenant_id] -= hold.amount
             self._held = {t: v for t, v in self._held.items() if v}
 
     def _reload(self) -> None:
