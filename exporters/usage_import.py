@@ -49,7 +49,8 @@ class BadRow(ValueError):
 
 
 def read_records(lines: Iterable[str]) -> Iterator[tuple[int, UsageRecord | BadRow]]:
-    """(line number, record or the reason it is not one) per data row, streamed."""
+    """(line number, record or the reason it is not one) per data row, streamed. The
+    header is read and checked now (BadFile), the rows as they are iterated."""
     reader = csv.DictReader(lines)
     try:
         header = reader.fieldnames or []
@@ -72,6 +73,12 @@ def read_records(lines: Iterable[str]) -> Iterator[tuple[int, UsageRecord | BadR
             )
         )
     defaults = {c: v for c, v in OPTIONAL_COLUMNS.items() if c not in header}
+    return _rows(reader, defaults)
+
+
+def _rows(
+    reader: csv.DictReader, defaults: dict[str, str]
+) -> Iterator[tuple[int, UsageRecord | BadRow]]:
     seen: dict[str, int] = {}  # request id -> line, within the current batch of ids
     while True:
         try:

@@ -7,7 +7,6 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from collections.abc import Sequence
 
@@ -277,10 +276,9 @@ def _usage_import(args: argparse.Namespace) -> int:
     read = new = bad = 0
     batch = []
     with source:
-        rows = read_records(source)
-        first = next(rows, None)  # the header is checked before the ledger is opened
+        rows = read_records(source)  # the header is checked before the ledger is opened
         ledger = UsageLedger(args.usage_db, create=args.create)
-        for line, item in itertools.chain([first] if first else [], rows):
+        for line, item in rows:
             if isinstance(item, BadRow):
                 bad += 1
                 print(f"{args.file}:{line}: {item}", file=sys.stderr)
