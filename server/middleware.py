@@ -574,6 +574,7 @@ class TenantMiddleware:
             reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
             await send_error(send, 400, f"request body is not valid JSON: {reason}", "invalid_json")
             return None
+        hold = None
         if isinstance(doc, dict):
             refused = refused_fields(doc)
             if refused is not None:
@@ -584,17 +585,16 @@ class TenantMiddleware:
                 msg = f"Response with id '{doc['previous_response_id']}' not found."
                 await send_error(send, 404, msg, "not_found")
                 return None
-            hold = None
+            entry.engine_requests = engine_requests(scope["path"], doc)
             if TELEMETRY.budgets is not None and TELEMETRY.budgets.verdict(entry.ctx.tenant_id):
-                hold = await self._hold(send, doc, len(body), scope["path"], entry.ctx)
+                choices = entry.engine_requests or 1
+                hold = await self._hold(send, doc, len(body), choices, entry.ctx)
                 if hold is None:
                     return None  # already answered with an error
             body = self._with_tenant_fields(doc, scope["path"], entry, request_id)
             scope["headers"] = [
                 (k, v) for k, v in scope["headers"] if k.lower() != b"content-length"
             ] + [(b"content-length", str(len(body)).encode())]
-        else:
-            hold = None
         replayed = False
 
         async def replay() -> Message:
@@ -607,12 +607,11 @@ class TenantMiddleware:
         return replay, hold
 
     async def _hold(
-        self, send: Send, doc: dict, size: int, path: str, ctx: TenantContext
+        self, send: Send, doc: dict, size: int, choices: int, ctx: TenantContext
     ) -> Hold | None:
         """Hold the request's estimated cost (engine.budgets.estimate) against the
         tenant's budget; None after a 429 when a `block` budget cannot take it."""
         prices = self.config.tiers[ctx.tier].prices
-        choices = engine_requests(path, doc) or 1
         amount = estimate(size, doc, choices, prices.input_per_1k, prices.output_per_1k)
         hold = TELEMETRY.budgets.hold(ctx.tenant_id, amount)
         if hold is None:
@@ -650,7 +649,6 @@ class TenantMiddleware:
         ctx = entry.ctx
         if isinstance(doc.get("model"), str):
             entry.model = doc["model"]
-        entry.engine_requests = engine_requests(path, doc)
         if path == RESPONSES_PATH:
             # vLLM names a response's engine requests from the body, not X-Request-Id.
             doc["request_id"] = f"resp_{request_id}"
