@@ -375,6 +375,17 @@ def _openai(server, tenant: str):
     )
 
 
+def _post(server, path: str, tenant: str, **body) -> httpx.Response:
+    """A raw request of a standard-tier tenant to the demo model (what the openai client
+    would not send as is)."""
+    return httpx.post(
+        f"{server.url}{path}",
+        timeout=60,
+        headers=server.headers(tenant, "standard"),
+        json={"model": "kvlease-demo", **body},
+    )
+
+
 def test_n_choices_are_billed_as_the_client_was_told(loaded, usage_db):
     reply = _openai(loaded, "fan-n").chat.completions.create(
         model="kvlease-demo",
@@ -402,16 +413,13 @@ def test_a_list_of_prompts_is_billed_whole(loaded, usage_db):
 
 
 def test_a_batch_of_conversations_is_billed_whole(loaded, usage_db):
-    r = httpx.post(
-        f"{loaded.url}/v1/chat/completions/batch",
-        timeout=60,
-        headers=loaded.headers("fan-batch", "standard"),
-        json={
-            "model": "kvlease-demo",
-            "messages": [[{"role": "user", "content": f"conversation {i}"}] for i in range(4)],
-            "max_tokens": 7,
-            "ignore_eos": True,
-        },
+    r = _post(
+        loaded,
+        "/v1/chat/completions/batch",
+        "fan-batch",
+        messages=[[{"role": "user", "content": f"conversation {i}"}] for i in range(4)],
+        max_tokens=7,
+        ignore_eos=True,
     )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 28
@@ -438,17 +446,14 @@ def test_a_response_is_billed_once_and_not_held_past_its_commit(loaded, usage_db
 @pytest.mark.parametrize(("tenant", "n"), [("fan-float", 3.0), ("fan-string", "3")])
 def test_an_n_that_vllm_coerces_is_billed_whole(loaded, usage_db, tenant, n):
     """vLLM's request models read `3.0` and `"3"` as 3: three engine requests, all billed."""
-    r = httpx.post(
-        f"{loaded.url}/v1/chat/completions",
-        timeout=60,
-        headers=loaded.headers(tenant, "standard"),
-        json={
-            "model": "kvlease-demo",
-            "messages": [{"role": "user", "content": "three answers"}],
-            "n": n,
-            "max_tokens": 12,
-            "ignore_eos": True,
-        },
+    r = _post(
+        loaded,
+        "/v1/chat/completions",
+        tenant,
+        messages=[{"role": "user", "content": "three answers"}],
+        n=n,
+        max_tokens=12,
+        ignore_eos=True,
     )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 3 and r.json()["usage"]["completion_tokens"] == 36
@@ -456,16 +461,13 @@ def test_an_n_that_vllm_coerces_is_billed_whole(loaded, usage_db, tenant, n):
 
 
 def test_a_list_of_prompts_through_invocations_is_billed_whole(loaded, usage_db):
-    r = httpx.post(
-        f"{loaded.url}/invocations",
-        timeout=60,
-        headers=loaded.headers("fan-invoke", "standard"),
-        json={
-            "model": "kvlease-demo",
-            "prompt": ["first prompt", "second prompt", "third prompt"],
-            "max_tokens": 12,
-            "ignore_eos": True,
-        },
+    r = _post(
+        loaded,
+        "/invocations",
+        "fan-invoke",
+        prompt=["first prompt", "second prompt", "third prompt"],
+        max_tokens=12,
+        ignore_eos=True,
     )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 36
@@ -520,12 +522,7 @@ def test_every_generation_route_of_vllms_router_is_billed_or_refused(loaded):
 
 
 def test_a_request_vllm_refuses_is_counted_refused_and_has_no_record(loaded, usage_db):
-    r = httpx.post(
-        f"{loaded.url}/v1/completions",
-        timeout=60,
-        headers=loaded.headers("refused-t", "standard"),
-        json={"model": "kvlease-demo", "prompt": "x", "max_tokens": -1},
-    )
+    r = _post(loaded, "/v1/completions", "refused-t", prompt="x", max_tokens=-1)
     assert r.status_code == 400
     families, _ = _families(loaded)
     refused = _sum(
