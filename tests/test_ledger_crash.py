@@ -1,12 +1,16 @@
-"""kill -9 under load: no answered request loses its usage record, none is counted twice."""
+"""kill -9 under load: no answered request loses its usage record, none is counted twice,
+and a stream cut mid-way is billed for what it had streamed (exporters.open_records)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sqlite3
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,21 +22,93 @@ pytestmark = pytest.mark.engine
 
 
 def _serve(home, log, usage_db):
+    """A server journaling its streams every second (six stale ticks recover them)."""
     command = [
         sys.executable,
         "-m",
         "server.cli",
         "serve",
         "--num-blocks",
-        "128",
+        "256",
+        "--max-model-len",
+        "4096",
         "--usage-db",
         usage_db,
     ]
-    return start(command, home, log)
+    return start(command, home, log, {"KVLEASE_OPEN_RECORD_SECONDS": "1"})
+
+
+def _engine_processes(api_pid: int) -> list[int]:
+    """The engine core and its workers: the API server's process group, but not itself."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == api_pid and int(stat.parent.name) != api_pid:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+class Stream:
+    """A long streamed completion, read on a thread: its request id and the events with
+    text it received (what the server journals: an empty-text event is no token)."""
+
+    def __init__(self, server, tenant: str) -> None:
+        self.server, self.tenant = server, tenant
+        self.request_id: str | None = None
+        self.texts = 0
+        self.done = False  # the stream ended by itself: it was not cut
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        body = {
+            "model": "kvlease-demo",
+            "prompt": self.tenant,
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        headers = self.server.headers(self.tenant, "standard")
+        try:
+            url = f"{self.server.url}/v1/completions"
+            with httpx.stream("POST", url, headers=headers, json=body, timeout=300) as r:
+                self.request_id = r.headers["x-request-id"]
+                for line in r.iter_lines():
+                    if line.startswith('data: {"'):
+                        self.texts += bool(json.loads(line[6:])["choices"][0]["text"])
+                    self.done = self.done or line == "data: [DONE]"
+        except httpx.HTTPError:
+            pass  # the server is gone
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+def _journaled(path: Path) -> dict[str, int]:
+    with sqlite3.connect(path) as db:
+        return dict(db.execute("SELECT request_id, output_tokens FROM usage_open").fetchall())
+
+
+def _wait(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not (value := predicate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(value)
+
+
+def _until(predicate, what: str, seconds: float = 120) -> None:
+    """Wait for a state, not for a time: the deadline only turns a hang into a failure."""
+    assert _wait(predicate, seconds), f"never: {what}"
 
 
 def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_home, tmp_path):
-    usage_db = f"sqlite:///{tmp_path / 'usage.db'}"
+    db_path = tmp_path / "usage.db"
+    usage_db = f"sqlite:///{db_path}"
     server = _serve(kvlease_home, tmp_path / "first.log", usage_db)
     answered: list[str] = []
     stop = threading.Event()
@@ -63,18 +139,52 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
     deadline = time.monotonic() + 60
     while len(answered) < 30 and time.monotonic() < deadline:
         time.sleep(0.05)
+
+    # Streams cut mid-way. The engine is frozen before they start, then let run in short
+    # slices, each followed by a wait for its text to reach the client, until every
+    # stream has streamed text: none can reach its 4,000th token unless this machine
+    # stalls for seconds inside a slice (and then the stream counts as finished, below).
+    # The kill comes once the server has journaled all it sent.
+    frozen = _engine_processes(server.proc.pid)
+    _signal(frozen, signal.SIGSTOP)
+    streams = [Stream(server, f"stream-{n}") for n in range(3)]
+    _until(lambda: all(s.request_id for s in streams), "the streams start")
+    for _ in range(200):
+        if all(s.texts or s.done for s in streams):
+            break
+        _signal(frozen, signal.SIGCONT)
+        time.sleep(0.01)
+        _signal(frozen, signal.SIGSTOP)
+        _wait(lambda: all(s.texts or s.done for s in streams), 2)
+
+    def journaled() -> bool:
+        rows = _journaled(db_path)
+        return all(s.done or rows.get(s.request_id) == s.texts for s in streams)
+
+    _until(journaled, "the server journals every text it sent")
     os.killpg(server.proc.pid, signal.SIGKILL)  # the API server, engine and workers at once
     server.proc.wait(30)
     stop.set()
-    for c in clients:
+    for c in [*clients, *(s.thread for s in streams)]:
         c.join(30)
     assert len(answered) >= 30
+    cut = [s for s in streams if not s.done]
+    assert cut, "every stream finished within its first slices"
 
     restarted = _serve(kvlease_home, tmp_path / "second.log", usage_db)
     try:
         ledger = UsageLedger(usage_db)
+        # The restarted server bills what the dead one journaled, once it is stale.
+        _until(lambda: not _journaled(db_path), "the cut streams recovered")
         records = list(ledger.read(0, 4e9))
         ids = [r.request_id for r in records]
+        by_id = {r.request_id: r for r in records}
+        for stream in streams:  # a stream that finished has its own record, below
+            record = by_id[stream.request_id]
+            assert record.tenant_id == stream.tenant and record.tier == "standard"
+            if stream in cut:  # billed for what it streamed, never more
+                assert record.outcome == "aborted" and record.partial
+                assert record.output_tokens == stream.texts
         for request_id in answered:
             assert ids.count(request_id) == 1, request_id
         assert len(ids) == len(set(ids))
