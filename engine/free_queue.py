@@ -6,29 +6,32 @@ prefix blocks behind them in LRU order. Allocation pops from the front, and a
 popped block that still holds a prefix is evicted from the prefix cache.
 
 `TenantFreeBlockQueue` keeps the same single list and the same interface, and
-adds separator nodes that split it into segments, evicted in this order:
+adds separator nodes that split it into segments, evicted in this order (n leasing
+tiers, least important first):
 
-    EMPTY | CACHED | LEASED(least important leased tier) | ... | LEASED(most important)
+    EMPTY | CACHED | RETAINED(0) .. RETAINED(n-1) | RESERVED(0) .. RESERVED(n-1)
 
-A cached block freed by a session whose lease is running goes to the back of
-its tier's LEASED segment, so it is evicted only after every EMPTY and CACHED
-block. A lease protects the session's latest context only: when the session's
-last request in flight frees its blocks, the session's blocks still in LEASED
-(those that request did not reuse) are demoted first. A tier's LEASED segment
-holds at most its cap: at the cap, the tier's oldest leased block (the front of
-the segment) moves to the back of CACHED, so the sessions that were active last,
-the likeliest to send a next turn, keep their prefixes. When a lease expires its
-blocks move to the front of CACHED: they are at least `lease_seconds` old, the
-stalest prefixes.
+A cached block freed by a session whose lease is running goes to the back of its
+tier's RESERVED segment while the session's reservation window runs
+(engine.reservations), else to the back of its tier's RETAINED segment; either way
+it is evicted only after every EMPTY and CACHED block. When the window closes,
+`retain` moves the session's blocks from RESERVED to RETAINED. A lease protects the
+session's latest context only: when the session's last request in flight frees its
+blocks, the session's leased blocks that request did not reuse are demoted first. A
+tier's RESERVED segment holds at most its cap: at the cap, the tier's oldest reserved
+block moves to the back of its RETAINED segment, so the sessions that were active
+last, the likeliest to send a next turn, keep their reservation. When a lease
+expires its blocks move to the front of CACHED: they are the stalest prefixes.
 With no owner set, every append lands in CACHED and the queue behaves exactly
 like vLLM's (a differential test checks this).
 
-A lease is a reservation: while the scheduler allocates for a request, it calls
-`reserve(segment)` with the first LEASED segment that request may not take (a
-more important tier's), and the queue then reports and hands out only the blocks
-in front of it. vLLM's `allocate_slots` reads `num_free_blocks` before it pops, so a
-request that would need a reserved block gets no blocks: a running one is preempted
-(or preempts a lower one), a waiting one waits.
+A RESERVED segment is a reservation: while the scheduler allocates for a request, it
+calls `reserve(k)`, k being the reserved tiers that request may take (those of its
+own tier and lower), and the queue then reports and hands out only the blocks in
+front of RESERVED(tier k). vLLM's `allocate_slots` reads `num_free_blocks` before it
+pops, so a request that would need a reserved block gets no blocks: a running one is
+preempted (or preempts a lower one), a waiting one waits. RETAINED blocks are never
+hidden: any request may evict them, after every CACHED block.
 
 It does not import vLLM: blocks are duck-typed (`block_id`, `block_hash`,
 `prev_free_block`, `next_free_block`), like the ones vLLM's queue links.
@@ -36,6 +39,7 @@ It does not import vLLM: blocks are duck-typed (`block_id`, `block_hash`,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,28 +50,32 @@ Block = Any  # vllm.v1.core.kv_cache_utils.KVCacheBlock
 
 EMPTY = int(EvictionClass.EMPTY)
 CACHED = int(EvictionClass.CACHED)
-FIRST_LEASED = int(EvictionClass.LEASED)
+FIRST_LEASED = int(EvictionClass.RETAINED)  # the first RETAINED segment
 
 
 @dataclass(eq=False, slots=True)
 class Holder:
     """The owner of freed cached blocks: one tenant session (or tenant).
 
-    The scheduler keeps one Holder per session and sets `protected` while the
-    session's lease runs. The queue keeps the block counts current, so
-    per-tenant occupancy is read off holders in O(holders), not O(blocks).
+    The scheduler keeps one Holder per session, sets `protected` while the session's
+    lease runs and clears `reserving` when its reservation window closes. The queue
+    keeps the block counts current, so per-tenant occupancy is read off holders in
+    O(holders), not O(blocks).
     """
 
     tenant_id: str | None
     tier: str | None
     session_id: str | None
-    leased_segment: int | None  # segment of this tier's leases; None: tier has no lease
+    lease_index: int | None  # its tier among the leasing tiers (0: least important)
     protected: bool = False
+    reserving: bool = True  # while protected: its freed blocks are RESERVED, not RETAINED
+    reserved_until: float = math.inf  # when its reservation window closes (the scheduler's)
     in_flight: int = 0  # requests of this session in the engine
     deferred: int = 0  # its block frees vLLM has put off (connectors, in-flight steps)
     last_hashes: list | None = None  # block hashes of its latest finished request's context
     cached: int = 0  # blocks in CACHED
-    leased: int = 0  # blocks in a LEASED segment
+    leased: int = 0  # blocks in a RETAINED or RESERVED segment
+    reserved: int = 0  # of those, blocks in a RESERVED segment
     evicted_cached: int = 0  # cumulative
     evicted_leased: int = 0  # cumulative
     pending_cached: int = 0  # evictions not yet reported as events
@@ -87,38 +95,41 @@ class _Separator:
 
 
 class TenantFreeBlockQueue:
-    """vLLM's free-block queue with EMPTY / CACHED / LEASED segments.
+    """vLLM's free-block queue with EMPTY / CACHED / RETAINED / RESERVED segments.
 
     Invariants: the list runs HEAD, blocks and separators in segment order,
     TAIL; `_free` counts real blocks; `_segment[b]` is the segment of
     every free block b and `_owner[b]` its Holder (None for EMPTY blocks and
-    blocks freed with no owner); each Holder's `cached`/`leased` equal the
-    blocks it owns in those segments; `_leased_count[s] <= _cap[s]`.
+    blocks freed with no owner); each Holder's `cached`/`leased`/`reserved` equal
+    the blocks it owns in those segments; `_count[s] <= _cap[s]` for every RESERVED s.
 
-    Costs: popleft is O(segments) (a small constant: tiers + 2), remove,
+    Costs: popleft is O(segments) (a small constant: 2 tiers + 2), remove,
     append (with a demotion at the cap) and prepend are O(1), `num_free_blocks`
     is a plain attribute, `reserve` O(segments); none allocates.
-    Lease release is O(blocks in that tier's segment) and happens once per
-    lease expiry, off the hot path.
+    `retain`, `demote` and `release` are O(blocks in that tier's segments) and happen
+    once per reservation window, turn or lease, off the per-step path.
     """
 
     def __init__(self, blocks: Sequence[Block], num_blocks: int, leased_caps: Sequence[int] = ()):
-        """`leased_caps[i]` caps LEASED segment FIRST_LEASED + i (least important tier first)."""
-        nseg = FIRST_LEASED + len(leased_caps)
+        """`leased_caps[i]` caps the RESERVED segment of leasing tier i (least important
+        first); RETAINED segments have no cap (any request may take their blocks)."""
+        self._tiers = len(leased_caps)
+        self._first_reserved = FIRST_LEASED + self._tiers
+        nseg = self._first_reserved + self._tiers
         self._seps = [_Separator(s) for s in range(nseg)] + [_Separator(nseg)]
         self._head, self._tail = self._seps[0], self._seps[-1]
         for a, b in zip(self._seps, self._seps[1:], strict=False):
             a.next_free_block, b.prev_free_block = b, a
-        self._cap = [0] * FIRST_LEASED + list(leased_caps)
-        self._leased_count = [0] * nseg
-        self.leased_blocks = 0  # blocks in every LEASED segment: 0 means nothing is reserved
+        self._cap = [0] * self._first_reserved + list(leased_caps)
+        self._count = [0] * nseg  # blocks in each RETAINED and RESERVED segment
+        self.reserved_blocks = 0  # in every RESERVED segment: 0 means nothing is reserved
         self._segment = [EMPTY] * num_blocks
         self._owner: list[Holder | None] = [None] * num_blocks
         self._free = 0  # every free block
         self.num_free_blocks = 0  # those the current allocation may take (vLLM reads this)
         self.owner: Holder | None = None  # who is freeing blocks right now (set by the scheduler)
-        self.no_reserve = nseg  # `reserve_from` when every block may be taken
-        self.reserve_from = nseg  # segments from here on are reserved (`reserve`)
+        self.no_reserve = self._tiers  # `reserve(k)` when every block may be taken
+        self.reserve_from = nseg  # segments from here on are hidden (`reserve`)
         self.evicting: list[Holder] = []  # holders with pending evictions to report
         for block in blocks:
             self._insert_before(self._seps[CACHED], block, EMPTY, None)
@@ -130,27 +141,28 @@ class TenantFreeBlockQueue:
 
     # -- vLLM's FreeKVCacheBlockQueue interface ------------------------------
 
-    def reserve(self, reserve_from: int) -> None:
-        """Until `unreserve`, hide the LEASED segments from `reserve_from` on: they are
-        neither counted in `num_free_blocks` nor popped. O(segments)."""
-        self.reserve_from = reserve_from
-        self.num_free_blocks = self.free_for(reserve_from)
+    def reserve(self, takes: int) -> None:
+        """Until `unreserve`, hide the RESERVED segments of leasing tiers `takes` and up:
+        they are neither counted in `num_free_blocks` nor popped. O(segments)."""
+        self.reserve_from = self._first_reserved + takes
+        self.num_free_blocks = self.free_for(takes)
 
-    def free_for(self, reserve_from: int) -> int:
-        """Free blocks a request that may not take segments from `reserve_from` on may take."""
+    def free_for(self, takes: int) -> int:
+        """Free blocks a request that may take the reservations of leasing tiers below
+        `takes` (and no other) may take."""
         visible = self._free
-        for seg in range(reserve_from, self.no_reserve):
-            visible -= self._leased_count[seg]
+        for seg in range(self._first_reserved + takes, len(self._count)):
+            visible -= self._count[seg]
         return visible
 
     def unreserve(self) -> None:
-        self.reserve_from = self.no_reserve
+        self.reserve_from = len(self._count)
         self.num_free_blocks = self._free
 
     @property
-    def free_unleased(self) -> int:
-        """Free blocks outside every LEASED segment: what any request may take."""
-        return self._free - self.leased_blocks
+    def free_unreserved(self) -> int:
+        """Free blocks outside every RESERVED segment: what any request may take."""
+        return self._free - self.reserved_blocks
 
     @property
     def fake_free_list_head(self) -> _Separator:
@@ -183,13 +195,19 @@ class TenantFreeBlockQueue:
         if owner is None or block.block_hash is None:
             self._insert_before(self._seps[CACHED + 1], block, CACHED, None)
             return
-        seg = owner.leased_segment
-        if seg is None or (
-            eviction_class(True, owner.protected, self._cap[seg]) is not EvictionClass.LEASED
-        ):
+        index = owner.lease_index
+        cls = EvictionClass.CACHED
+        if index is not None:
+            cap = self._cap[self._first_reserved + index]
+            cls = eviction_class(True, owner.protected, owner.reserving and cap > 0)
+        if cls is EvictionClass.RESERVED:
+            seg = self._first_reserved + index
+            if self._count[seg] >= self._cap[seg]:
+                self._demote_oldest(seg)
+        elif cls is EvictionClass.RETAINED:
+            seg = FIRST_LEASED + index
+        else:
             seg = CACHED
-        elif self._leased_count[seg] >= self._cap[seg]:
-            self._demote_oldest(seg)
         self._insert_before(self._seps[seg + 1], block, seg, owner)
 
     def append_n(self, blocks: Sequence[Block]) -> None:
@@ -221,17 +239,11 @@ class TenantFreeBlockQueue:
 
     def demote(self, holder: Holder) -> int:
         """Move the holder's leased blocks to the front of CACHED, in order: they are the
-        stalest prefixes. O(blocks in its tier's LEASED segment)."""
-        seg = holder.leased_segment
-        if seg is None or holder.leased == 0:
+        stalest prefixes. O(blocks in its tier's segments)."""
+        if holder.lease_index is None or holder.leased == 0:
             return 0
-        moved = []
-        node = self._seps[seg].next_free_block
-        while node is not self._seps[seg + 1]:
-            nxt = node.next_free_block
-            if self._owner[node.block_id] is holder:
-                moved.append(node)
-            node = nxt
+        moved = self._blocks_of(holder, FIRST_LEASED + holder.lease_index)
+        moved += self._blocks_of(holder, self._first_reserved + holder.lease_index)
         after = self._seps[CACHED]
         for block in moved:
             self._unlink(block, evicting=False)
@@ -239,10 +251,28 @@ class TenantFreeBlockQueue:
             after = block
         return len(moved)
 
+    def retain(self, holder: Holder) -> int:
+        """The holder's reservation window closed: from now on its freed blocks are
+        RETAINED, and its RESERVED blocks move to the back of its tier's RETAINED
+        segment, in order. O(blocks in its tier's RESERVED segment)."""
+        holder.reserving = False
+        if holder.lease_index is None or holder.reserved == 0:
+            return 0
+        moved = self._blocks_of(holder, self._first_reserved + holder.lease_index)
+        retained = FIRST_LEASED + holder.lease_index
+        for block in moved:
+            self._unlink(block, evicting=False)
+            self._insert_before(self._seps[retained + 1], block, retained, holder)
+        return len(moved)
+
     def take_evictions(self) -> list[Holder]:
         """Holders with evictions since the last call; the caller reads and zeroes pending_*."""
         evicting, self.evicting = self.evicting, []
         return evicting
+
+    def reserved_sizes(self) -> list[int]:
+        """Blocks in each RESERVED segment, least important leasing tier first."""
+        return self._count[self._first_reserved :]
 
     def segment_sizes(self) -> list[int]:
         sizes = [0] * (len(self._seps) - 1)
@@ -255,7 +285,7 @@ class TenantFreeBlockQueue:
         seen, seg, prev = 0, -1, None
         node = self._head
         counts: dict[Holder, list[int]] = {}
-        leased = [0] * len(self._leased_count)
+        leased = [0] * len(self._count)
         while node is not None:
             assert node.prev_free_block is prev, "broken back link"
             if node.block_id < 0:
@@ -267,29 +297,43 @@ class TenantFreeBlockQueue:
                 owner = self._owner[node.block_id]
                 assert owner is None or seg != EMPTY, "owner recorded for an EMPTY block"
                 if owner is not None:
-                    counts.setdefault(owner, [0, 0])[0 if seg == CACHED else 1] += 1
+                    count = counts.setdefault(owner, [0, 0, 0])
+                    count[0 if seg == CACHED else 1] += 1
+                    count[2] += seg >= self._first_reserved
                 if seg >= FIRST_LEASED:
                     leased[seg] += 1
             prev, node = node, node.next_free_block
         assert prev is self._tail
         assert seen == self._free, "free block count out of sync"
-        if self.reserve_from == self.no_reserve:
+        if self.reserve_from == len(self._count):
             assert self.num_free_blocks == self._free, "visible count out of sync"
-        assert leased == self._leased_count, "leased segment counts out of sync"
-        assert sum(leased) == self.leased_blocks, "leased block total out of sync"
-        for s in range(FIRST_LEASED, len(self._seps) - 1):
-            assert self._leased_count[s] <= self._cap[s], "leased cap exceeded"
-        for owner, (cached, in_lease) in counts.items():
-            assert (owner.cached, owner.leased) == (cached, in_lease), "holder counts out of sync"
+        assert leased == self._count, "leased segment counts out of sync"
+        reserved = leased[self._first_reserved :]
+        assert sum(reserved) == self.reserved_blocks, "reserved block total out of sync"
+        for s in range(self._first_reserved, len(self._count)):
+            assert self._count[s] <= self._cap[s], "reserved cap exceeded"
+        for owner, count in counts.items():
+            held = [owner.cached, owner.leased, owner.reserved]
+            assert held == count, "holder counts out of sync"
 
     # -- internals -----------------------------------------------------------
 
+    def _blocks_of(self, holder: Holder, seg: int) -> list[Block]:
+        blocks, node = [], self._seps[seg].next_free_block
+        while node is not self._seps[seg + 1]:
+            if self._owner[node.block_id] is holder:
+                blocks.append(node)
+            node = node.next_free_block
+        return blocks
+
     def _demote_oldest(self, seg: int) -> None:
-        """The tier is at its cap: its oldest leased block becomes the newest CACHED one."""
+        """The tier is at its reservation cap: its oldest reserved block becomes the
+        newest RETAINED one of the tier (its lease still protects it, by order)."""
         block = self._seps[seg].next_free_block
         owner = self._owner[block.block_id]
+        retained = seg - self._tiers
         self._unlink(block, evicting=False)
-        self._insert_before(self._seps[CACHED + 1], block, CACHED, owner)
+        self._insert_before(self._seps[retained + 1], block, retained, owner)
 
     def _insert_before(self, nxt: Any, block: Block, seg: int, owner: Holder | None) -> None:
         prev = nxt.prev_free_block
@@ -305,8 +349,10 @@ class TenantFreeBlockQueue:
                 owner.cached += 1
             elif seg >= FIRST_LEASED:
                 owner.leased += 1
-                self._leased_count[seg] += 1
-                self.leased_blocks += 1
+                self._count[seg] += 1
+                if seg >= self._first_reserved:
+                    owner.reserved += 1
+                    self.reserved_blocks += 1
         self._free += 1
         self.num_free_blocks += 1
 
@@ -326,8 +372,10 @@ class TenantFreeBlockQueue:
         leased = seg >= FIRST_LEASED
         if leased:
             owner.leased -= 1
-            self._leased_count[seg] -= 1
-            self.leased_blocks -= 1
+            self._count[seg] -= 1
+            if seg >= self._first_reserved:
+                owner.reserved -= 1
+                self.reserved_blocks -= 1
         else:
             owner.cached -= 1
         if evicting and block.block_hash is not None:

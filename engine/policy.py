@@ -18,9 +18,10 @@ Victim order among running requests (first = preempted first):
 Service order is not victim order: `running` is served in `service_key` order
 (class, then admission: FCFS within a class) and the victim is chosen apart.
 
-Leases are bounded reservations (`may_take`, `leases_yield`, `lease_caps_error`):
-a cached block leased by tier T goes only to a request of tier T or a more
-important one, unless the engine would otherwise sit idle; each tier's leased
+Leases protect by eviction order; while a session's reservation window runs
+(engine.reservations) its blocks are moreover reserved (`may_take`, `leases_yield`,
+`lease_caps_error`): a block reserved by tier T goes only to a request of tier T or a
+more important one, unless the engine would otherwise sit idle; each tier's reserved
 blocks stay under its cap, and the caps leave room for one `max_model_len` request.
 """
 
@@ -250,24 +251,28 @@ class EvictionClass(enum.IntEnum):
     """Where a freed block waits in the free queue; lower is reused first.
 
     EMPTY blocks hold no reusable prefix. CACHED blocks hold a prefix nobody
-    protects (plain LRU). LEASED blocks hold the prefix of a tenant session
-    whose lease is running; they go only after every EMPTY and CACHED block.
+    protects (plain LRU). RETAINED and RESERVED blocks hold the prefix of a tenant
+    session whose lease is running; they go only after every EMPTY and CACHED block.
+    RESERVED ones, while the session's reservation window runs (engine.reservations),
+    are moreover kept from lower tiers; RETAINED ones any request may take.
     """
 
     EMPTY = 0
     CACHED = 1
-    LEASED = 2
+    RETAINED = 2
+    RESERVED = 3
 
 
-def eviction_class(has_prefix: bool, leased: bool, tier_cap: int) -> EvictionClass:
-    """Class of one block being freed. A leased block is LEASED whenever its tier may lease
-    at all; at the tier's cap the queue makes room by demoting that tier's oldest leased
-    block, so the newest leases (the sessions likeliest to come back) keep their prefixes."""
+def eviction_class(has_prefix: bool, leased: bool, reserving: bool) -> EvictionClass:
+    """Class of one block being freed: `reserving` when the session's reservation window
+    runs and its tier may reserve at all (a cap above 0). At the tier's cap the queue
+    makes room by retaining that tier's oldest reserved block, so the newest sessions
+    (the likeliest to come back) keep their reservation."""
     if not has_prefix:
         return EvictionClass.EMPTY
-    if leased and tier_cap > 0:
-        return EvictionClass.LEASED
-    return EvictionClass.CACHED
+    if not leased:
+        return EvictionClass.CACHED
+    return EvictionClass.RESERVED if reserving else EvictionClass.RETAINED
 
 
 def leased_cap_blocks(cap_fraction: float, pool_blocks: int) -> int:

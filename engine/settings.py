@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.policy import VictimRule
+from engine.reservations import ReserveMode
 from engine.tenancy import TIERS_ENV, TierTable
 
 KEYS = {
@@ -25,6 +26,7 @@ KEYS = {
     "effective_tflops": "KVLEASE_EFFECTIVE_TFLOPS",
     "host_link_gbps": "KVLEASE_HOST_LINK_GBPS",
     "fair_share": "KVLEASE_FAIR_SHARE",
+    "reserve": "KVLEASE_RESERVE",
 }
 
 
@@ -42,6 +44,7 @@ class SchedulerSettings:
     effective_tflops: float | None = None  # for the recompute-vs-offload cost model
     host_link_gbps: float | None = None  # GB/s device<->host, one way
     fair_share: bool = True  # weighted VTC inside each tier (off: FIFO within a tier)
+    reserve: ReserveMode | None = None  # every tier's `reserve` mode, if set (ablations)
 
     @classmethod
     def load(
@@ -77,6 +80,15 @@ class SchedulerSettings:
             raise SettingsError(
                 f"{where('victim_rule')} must be 'lru' or 'least_work', got {raw['victim_rule']!r}"
             ) from None
+        reserve = None
+        if raw["reserve"] not in (None, ""):
+            try:
+                reserve = ReserveMode(raw["reserve"])
+            except ValueError:
+                modes = ", ".join(repr(m.value) for m in ReserveMode)
+                raise SettingsError(
+                    f"{where('reserve')} must be one of {modes}, got {raw['reserve']!r}"
+                ) from None
         debug = _flag(raw["debug_accounting"], False, where("debug_accounting"))
         fair = _flag(raw["fair_share"], True, where("fair_share"))
         capacity = number("event_capacity", 0, 65536)
@@ -92,6 +104,7 @@ class SchedulerSettings:
             effective_tflops=number("effective_tflops", 0, None),
             host_link_gbps=number("host_link_gbps", 0, None),
             fair_share=fair,
+            reserve=reserve,
         )
 
 

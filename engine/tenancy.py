@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.policy import leased_cap_blocks, unreserved_blocks
+from engine.reservations import ReserveMode, ReservePolicy
 
 TIERS_ENV = "KVLEASE_TIERS"
 
@@ -28,6 +29,7 @@ _TOP_KEYS = frozenset({"currency", "tiers"})
 _TIER_KEYS = frozenset({"priority", "lease_seconds", "leased_cache_cap", "prices"})
 _OPTIONAL_TIER_KEYS = frozenset(
     {"max_concurrent_requests", "weight", "max_weight", "max_tenant_kv_share"}
+    | {"reserve", "reserve_quantile", "reserve_max_seconds", "reserve_min_return"}
 )
 _PRICE_KEYS = ("input_per_1k", "cached_input_per_1k", "output_per_1k", "block_hour")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -100,6 +102,7 @@ class Tier:
     weight: float = 1.0  # a tenant's fair-share weight within the tier (engine.fairness)
     max_weight: float = 1.0  # the most a token's `weight` claim may ask for
     max_tenant_kv_share: float = 1.0  # fraction of the pool one tenant may hold (1: no cap)
+    reservation: ReservePolicy = field(default_factory=ReservePolicy)  # engine.reservations
 
     def tenant_weight(self, claimed: Any) -> float:
         """A request's weight: its token's claim, bounded by the table, else the default.
@@ -292,7 +295,34 @@ def _parse_tier(name: str, body: Any, fail) -> Tier:
             f"most 1; got {share!r}"
         )
     prices = _parse_prices(body["prices"], where, fail)
-    return Tier(name, priority, lease, cap, prices, limit, weight, max_weight, share)
+    reservation = _parse_reservation(body, where, fail)
+    return Tier(name, priority, lease, cap, prices, limit, weight, max_weight, share, reservation)
+
+
+def _parse_reservation(body: Mapping[str, Any], where: str, fail) -> ReservePolicy:
+    default = ReservePolicy()
+    try:
+        mode = ReserveMode(body.get("reserve", default.mode))
+    except ValueError:
+        modes = ", ".join(repr(m.value) for m in ReserveMode)
+        raise fail(f"{where}: 'reserve' must be one of {modes}, got {body['reserve']!r}") from None
+    quantile = _number(
+        body.get("reserve_quantile", default.quantile), f"{where}: 'reserve_quantile'", fail
+    )
+    most = _number(
+        body.get("reserve_max_seconds", default.max_seconds),
+        f"{where}: 'reserve_max_seconds'",
+        fail,
+    )
+    least = _number(
+        body.get("reserve_min_return", default.min_return), f"{where}: 'reserve_min_return'", fail
+    )
+    if not (0.0 < quantile <= 1.0 and most >= 0.0 and 0.0 <= least <= 1.0):
+        raise fail(
+            f"{where}: need 0 < 'reserve_quantile' <= 1, 'reserve_max_seconds' >= 0 and "
+            f"0 <= 'reserve_min_return' <= 1; got {quantile!r}, {most!r}, {least!r}"
+        )
+    return ReservePolicy(mode, quantile, most, least)
 
 
 def _parse_prices(body: Any, where: str, fail) -> Prices:

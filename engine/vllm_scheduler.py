@@ -30,8 +30,11 @@ as little of vLLM as it can and copies none of `schedule()`:
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import heapq
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -68,7 +71,7 @@ from engine.events import (  # noqa: E402
     Totals,
 )
 from engine.fairness import INPUT_COST, OUTPUT_COST, Account, FairShare  # noqa: E402
-from engine.free_queue import FIRST_LEASED, Holder, TenantFreeBlockQueue  # noqa: E402
+from engine.free_queue import Holder, TenantFreeBlockQueue  # noqa: E402
 from engine.labels import UNCLASSIFIED, TenantLabels  # noqa: E402
 from engine.leases import LeaseBook  # noqa: E402
 from engine.policy import (  # noqa: E402
@@ -84,6 +87,7 @@ from engine.policy import (  # noqa: E402
     tenant_cap_error,
     within_class_key,
 )
+from engine.reservations import ReturnModel  # noqa: E402
 from engine.settings import SchedulerSettings, SettingsError  # noqa: E402
 from engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
 
@@ -105,7 +109,7 @@ class Tenancy:
     bucket: int  # waiting-queue rank: tier order, unclassified last
     seq: int
     holder: Holder | None
-    reserve_from: int  # the first free-queue segment this request may not take
+    reserve_from: int  # leasing tiers whose reservations it may take (free queue `reserve`)
     key: tuple  # engine.policy.service_key, renewed at each admission into `running`
     lease_covered: int = 0  # prefix tokens of its session's last context a lease was keeping
     lease_cached: int = -1  # its prefix-cache hit when first scheduled (-1: not yet)
@@ -205,6 +209,8 @@ class TenantSchedulingMixin:
         tiers = self.settings.tiers
         self.clock = time.monotonic
         self.leases = LeaseBook(clock=lambda: self.clock())
+        self.returns = ReturnModel()  # when sessions come back: the reservation window
+        self._windows: list[tuple[float, int, Hashable]] = []  # reservation ends, a heap
         self.events = EventBuffer(self.settings.event_capacity)
         self.accounting = TenantAccounting()
         self._label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
@@ -235,11 +241,10 @@ class TenantSchedulingMixin:
         self._pool = pool
         usable = pool.num_gpu_blocks - 1  # vLLM's null block is never handed out
         caps = tiers.leased_caps(usable)  # least important leasing tier first
-        self._lease_segment = {name: FIRST_LEASED + i for i, name in enumerate(caps)}
+        self._lease_index = {name: i for i, name in enumerate(caps)}
         self._caps = list(caps.values())
-        self._reserve_from = {  # a tier's requests may take the leases up to this segment
-            tier.name: FIRST_LEASED
-            + sum(1 for name in caps if may_take(tier.priority, tiers[name].priority))
+        self._reserve_from = {  # a tier's requests may take the reservations of these tiers
+            tier.name: sum(1 for name in caps if may_take(tier.priority, tiers[name].priority))
             for tier in tiers.values()
         }
         self._check_lease_caps(list(caps), usable)
@@ -278,7 +283,7 @@ class TenantSchedulingMixin:
             list(tiers),
             self.settings.victim_rule.value,
             usable,
-            dict(zip(self._lease_segment, self._caps, strict=True)),
+            dict(zip(self._lease_index, self._caps, strict=True)),
         )
         if self._publisher is not None:
             self._publish(with_state=True)  # so /admin/state answers before the first step
@@ -422,9 +427,7 @@ class TenantSchedulingMixin:
                 )
             rank = protection_rank(False, False, 0)
             key = service_key(rank, next(self._admissions))
-            return Tenancy(
-                None, None, None, rank, len(tiers), next(self._seq), None, FIRST_LEASED, key
-            )
+            return Tenancy(None, None, None, rank, len(tiers), next(self._seq), None, 0, key)
         session_id = session_id if isinstance(session_id, str) else None
         tier = tiers[tier_name]
         self._tenant_tiers[self._label(tenant_id)] = tier.name
@@ -443,7 +446,7 @@ class TenantSchedulingMixin:
         holder = self._holders.get(tenancy.session)
         if holder is None:
             holder = self._holders[tenancy.session] = Holder(
-                tenant_id, tier.name, session_id, self._lease_segment.get(tier.name)
+                tenant_id, tier.name, session_id, self._lease_index.get(tier.name)
             )
         holder.in_flight += 1
         tenancy.holder = holder
@@ -452,6 +455,10 @@ class TenantSchedulingMixin:
         )
         change = self.leases.request_started(tenancy.session, tier.lease_seconds)
         if change is not None:
+            if change.kind == "renew" and holder.in_flight == 1:  # back between turns
+                self.returns.turn_started(
+                    tenancy.session, self._label(tenant_id), tier.name, change.at
+                )
             if change.kind == "renew":
                 tenancy.lease_covered = self._lease_covered(holder, request)
                 if tenancy.lease_covered:
@@ -562,7 +569,7 @@ class TenantSchedulingMixin:
         manager = self.kv_cache_manager
         if manager.allocate_slots not in (self._allocate, self._wrapped_allocate):
             return  # somebody else's wrapper (a test's, a connector's): leave it in place
-        tight = self._free_queue.free_unleased < len(self.running) + self._step_blocks
+        tight = self._free_queue.free_unreserved < len(self.running) + self._step_blocks
         manager.allocate_slots = (
             self._wrapped_allocate if tight or self._kv_caps else self._allocate
         )
@@ -578,11 +585,11 @@ class TenantSchedulingMixin:
         if (
             running
             and len(args) == 1
-            and queue.free_unleased
+            and queue.free_unreserved
             > self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
-        ):  # it fits in blocks no lease holds: a reservation would change nothing
+        ):  # it fits in blocks nobody reserves: a reservation would change nothing
             return self._allocate(request, *args, **kwargs)
-        if queue.leased_blocks and not leases_yield(len(self.running) - running):
+        if queue.reserved_blocks and not leases_yield(len(self.running) - running):
             t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
             queue.reserve(t.reserve_from)
             try:
@@ -793,6 +800,8 @@ class TenantSchedulingMixin:
         t = self._tenancy.get(request.request_id)
         if t is not None:
             self._integrate_request(request)
+            if t.holder is not None and t.holder.in_flight == 1 and t.holder.protected:
+                self._end_turn(t)  # before its blocks are freed: they go where it decides
         result = super()._free_request(request, delay_free_blocks=delay_free_blocks)
         if t is None:
             return result
@@ -844,14 +853,38 @@ class TenantSchedulingMixin:
         if ok:  # no free block holds a prefix any more: nobody owns cached blocks
             self._free_queue = self._install_free_queue()
             for session, holder in list(self._holders.items()):
-                holder.cached = holder.leased = 0
+                holder.cached = holder.leased = holder.reserved = 0
                 self._forget_if_idle(session, holder)
         return ok
 
     # -- leases and evictions --------------------------------------------------
 
+    def _end_turn(self, t: Tenancy) -> None:
+        """The session's last request in flight ends: how long are its blocks reserved?
+        (engine.reservations; the window never outlives the lease)."""
+        holder, tier = t.holder, self.settings.tiers[t.tier]
+        assert holder is not None and t.tenant_id is not None
+        now = self.clock()
+        tenant = self._label(t.tenant_id)
+        self.returns.turn_ended(t.session, tenant, tier.name, now)
+        policy = tier.reservation
+        if self.settings.reserve is not None:
+            policy = dataclasses.replace(policy, mode=self.settings.reserve)
+        window = self.returns.window(t.session, tenant, tier.name, tier.lease_seconds, policy)
+        holder.reserving = window > 0
+        holder.reserved_until = now + window if window < tier.lease_seconds else math.inf
+        if holder.reserving and holder.reserved_until < math.inf:
+            heapq.heappush(self._windows, (holder.reserved_until, next(self._seq), t.session))
+
     def _expire_leases(self) -> None:
+        now = self.clock()
+        while self._windows and self._windows[0][0] <= now:
+            until, _, session = heapq.heappop(self._windows)
+            holder = self._holders.get(session)
+            if holder is not None and holder.reserving and holder.reserved_until == until:
+                self._free_queue.retain(holder)  # protected by eviction order from now on
         for change in self.leases.expire():
+            self.returns.forget(change.session)
             holder = self._holders.get(change.session)
             if holder is None:
                 continue

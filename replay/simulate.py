@@ -237,7 +237,7 @@ def _stride(
     if stride <= 1:
         return 1
     blocks = len(running) * (-(-stride // BLOCK) + 1)
-    return stride if scheduler._free_queue.free_unleased >= blocks else 1
+    return stride if scheduler._free_queue.free_unreserved >= blocks else 1
 
 
 def _settle(scheduler: Any, done: dict[str, Served]) -> list[Served]:

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from engine.free_queue import CACHED, EMPTY, FIRST_LEASED, Holder, TenantFreeBlockQueue
+from engine.free_queue import CACHED, EMPTY, Holder, TenantFreeBlockQueue
 
 N = 24
 
@@ -74,7 +74,7 @@ def _taken(queue, blocks, ids):
 def test_leased_prefixes_are_evicted_only_after_every_unleased_block():
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=[N])
-    premium = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    premium = Holder("acme", "premium", "s1", 0, protected=True)
     free_tier = Holder("bob", "free", "s2", None)
     held = _taken(queue, blocks, range(N))  # everything allocated
     queue.owner = premium
@@ -92,21 +92,21 @@ def test_leased_prefixes_are_evicted_only_after_every_unleased_block():
     assert {h.tenant_id for h in queue.take_evictions()} == {"acme", "bob"}
 
 
-def test_at_the_tier_cap_the_newest_leased_blocks_stay_and_the_oldest_become_cached():
+def test_at_the_tier_cap_the_newest_reserved_blocks_stay_and_the_oldest_are_retained():
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=[2])
-    old = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
-    new = Holder("acme", "premium", "s2", FIRST_LEASED, protected=True)
+    old = Holder("acme", "premium", "s1", 0, protected=True)
+    new = Holder("acme", "premium", "s2", 0, protected=True)
     queue.owner = old
     queue.append_n(_taken(queue, blocks, range(3)))
     queue.check()
-    assert (old.leased, old.cached) == (2, 1)
+    assert (old.leased, old.reserved, old.cached) == (3, 2, 0)
     queue.owner = new
     queue.append_n(_taken(queue, blocks, range(3, 5)))
     queue.owner = None
     queue.check()
-    assert (old.leased, old.cached, new.leased, new.cached) == (0, 3, 2, 0)
-    assert queue.segment_sizes() == [N - 5, 3, 2]
+    assert (old.leased, old.reserved, new.leased, new.reserved) == (3, 0, 2, 2)
+    assert queue.segment_sizes() == [N - 5, 0, 3, 2]  # EMPTY, CACHED, RETAINED, RESERVED
     # Eviction order: the empty blocks, then s1's three (oldest first), then s2's two.
     assert [b.block_id for b in queue.popleft_n(N)][-5:] == [0, 1, 2, 3, 4]
 
@@ -114,7 +114,7 @@ def test_at_the_tier_cap_the_newest_leased_blocks_stay_and_the_oldest_become_cac
 def test_expired_lease_moves_blocks_to_the_front_of_cached_in_order():
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=[N])
-    holder = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    holder = Holder("acme", "premium", "s1", 0, protected=True)
     other = Holder("bob", "free", None, None)
     held = _taken(queue, blocks, range(6))
     queue.owner = other
@@ -135,7 +135,7 @@ def test_expired_lease_moves_blocks_to_the_front_of_cached_in_order():
 def test_a_touched_block_leaves_its_owners_count_without_counting_an_eviction():
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=[N])
-    holder = Holder("acme", "premium", "s1", FIRST_LEASED, protected=True)
+    holder = Holder("acme", "premium", "s1", 0, protected=True)
     held = _taken(queue, blocks, range(3))
     queue.owner = holder
     queue.append_n(held)
@@ -157,13 +157,13 @@ def test_replacing_keeps_vllms_order():
 
 
 def _leased_queue(caps=(4, 6)):
-    """A queue whose blocks 0..N-1 are free; `standard` leases segment FIRST_LEASED and
-    `premium` FIRST_LEASED + 1 (least important first)."""
+    """A queue whose blocks 0..N-1 are free; `standard` is leasing tier 0 and `premium`
+    tier 1 (least important first)."""
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=list(caps))
     holders = {
-        "standard": Holder("s", "standard", "s1", FIRST_LEASED, protected=True),
-        "premium": Holder("p", "premium", "p1", FIRST_LEASED + 1, protected=True),
+        "standard": Holder("s", "standard", "s1", 0, protected=True),
+        "premium": Holder("p", "premium", "p1", 1, protected=True),
     }
     return blocks, queue, holders
 
@@ -181,7 +181,7 @@ def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
     _free_as(queue, blocks, holders["standard"], [2, 3, 4])
     _free_as(queue, blocks, holders["premium"], [5, 6, 7, 8])
     assert queue.num_free_blocks == 9
-    queue.reserve(FIRST_LEASED)  # a free-tier request: may take neither lease
+    queue.reserve(0)  # a free-tier request: may take neither reservation
     assert queue.num_free_blocks == 2
     assert [queue.popleft().block_id for _ in range(2)] == [0, 1]
     try:
@@ -189,7 +189,7 @@ def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
         raise AssertionError("popped a reserved block")
     except ValueError:
         pass
-    queue.reserve(FIRST_LEASED + 1)  # a standard request: its own tier's leases too
+    queue.reserve(1)  # a standard request: its own tier's reservations too
     assert queue.num_free_blocks == 3
     queue.unreserve()
     assert queue.num_free_blocks == 7
@@ -198,7 +198,9 @@ def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
 
 lease_ops = st.lists(
     st.tuples(
-        st.sampled_from(["take", "free_plain", "free_standard", "free_premium", "expire"]),
+        st.sampled_from(
+            ["take", "free_plain", "free_standard", "free_premium", "expire", "window"]
+        ),
         st.integers(0, 10_000),
         st.integers(1, 6),
     ),
@@ -213,7 +215,7 @@ def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, ca
     held: list[int] = [b.block_id for b in queue.popleft_n(N)]
     for op, pick, k in ops:
         if op == "take":
-            queue.reserve(FIRST_LEASED + pick % 3)
+            queue.reserve(pick % 3)
             k = min(k, queue.num_free_blocks)
             held += [b.block_id for b in queue.popleft_n(k)]
             queue.unreserve()
@@ -223,11 +225,49 @@ def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, ca
         elif op == "expire":
             queue.release(holders["standard" if pick % 2 else "premium"])
             holders["standard" if pick % 2 else "premium"].protected = True
-        queue.check()  # includes: each LEASED segment within its cap
-        reserved = queue.segment_sizes()[FIRST_LEASED:]
+        elif op == "window":  # a reservation window closes; the next turn may reserve
+            holder = holders["standard" if pick % 2 else "premium"]
+            queue.retain(holder)
+            holder.reserving = bool(k % 2)
+        queue.check()  # includes: each RESERVED segment within its cap
+        reserved = queue.reserved_sizes()
         assert all(n <= cap for n, cap in zip(reserved, caps, strict=True))
-        # Whatever the leases hold, a request of the least class may take the rest.
+        # Whatever the reservations hold, a request of the least class may take the rest.
         total = queue.num_free_blocks
-        queue.reserve(FIRST_LEASED)
+        queue.reserve(0)
         assert queue.num_free_blocks >= total - sum(caps)
         queue.unreserve()
+
+
+def test_a_closed_reservation_window_leaves_blocks_to_anyone_but_after_every_cached_one():
+    blocks, queue, holders = _leased_queue()
+    queue.popleft_n(N)
+    _free_as(queue, blocks, None, [0, 1])
+    _free_as(queue, blocks, holders["premium"], [2, 3, 4])
+    queue.reserve(0)
+    assert queue.num_free_blocks == 2  # reserved: a free-tier request sees only 0 and 1
+    queue.unreserve()
+    assert queue.retain(holders["premium"]) == 3
+    assert (holders["premium"].leased, holders["premium"].reserved) == (3, 0)
+    queue.check()
+    queue.reserve(0)
+    assert queue.num_free_blocks == 5  # retained: any request may take them ...
+    assert [b.block_id for b in queue.popleft_n(5)] == [0, 1, 2, 3, 4]  # ... after CACHED
+    queue.unreserve()
+    assert holders["premium"].evicted_leased == 3
+    # A holder whose window is closed frees its next blocks as RETAINED, not RESERVED.
+    _free_as(queue, blocks, holders["premium"], [0, 1])
+    assert (holders["premium"].leased, holders["premium"].reserved) == (2, 0)
+    queue.check()
+
+
+def test_retained_blocks_of_a_lower_tier_go_before_those_of_a_higher_one():
+    blocks, queue, holders = _leased_queue()
+    queue.popleft_n(N)
+    for name in ("premium", "standard"):
+        holders[name].reserving = False
+    _free_as(queue, blocks, holders["premium"], [0, 1])
+    _free_as(queue, blocks, holders["standard"], [2, 3])
+    _free_as(queue, blocks, None, [4])
+    queue.check()
+    assert [b.block_id for b in queue.popleft_n(5)] == [4, 2, 3, 0, 1]

@@ -147,16 +147,16 @@ def test_cost_model_compares_offload_round_trip_with_recompute():
 
 
 @pytest.mark.parametrize(
-    ("has_prefix", "leased", "cap", "expected"),
+    ("has_prefix", "leased", "reserving", "expected"),
     [
-        (False, True, 10, EvictionClass.EMPTY),
-        (True, False, 10, EvictionClass.CACHED),
-        (True, True, 10, EvictionClass.LEASED),
-        (True, True, 0, EvictionClass.CACHED),
+        (False, True, True, EvictionClass.EMPTY),
+        (True, False, True, EvictionClass.CACHED),
+        (True, True, True, EvictionClass.RESERVED),
+        (True, True, False, EvictionClass.RETAINED),
     ],
 )
-def test_eviction_class(has_prefix, leased, cap, expected):
-    assert eviction_class(has_prefix, leased, cap) is expected
+def test_eviction_class(has_prefix, leased, reserving, expected):
+    assert eviction_class(has_prefix, leased, reserving) is expected
 
 
 def test_leased_cap_is_a_fraction_of_the_pool_rounded_down():

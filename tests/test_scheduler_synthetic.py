@@ -257,7 +257,7 @@ def test_a_free_request_as_long_as_the_unreserved_pool_completes_beside_full_lea
     for i, (tier, tokens) in enumerate([("premium", 200), ("premium", 64), ("standard", 100)]):
         prompt = _conversation(tokens, seed=10 + i)
         _finish_turn(scheduler, make_request(f"l{i}", tier, 0, 1, session="s", prompt=prompt))
-    leased = scheduler._free_queue.segment_sizes()[2:]
+    leased = scheduler._free_queue.reserved_sizes()
     assert leased == [2, 4]  # standard at its cap, premium at its cap
     long_free = make_request("big", "free", max_len - 40, 40)
     scheduler.add_request(long_free)
@@ -265,7 +265,7 @@ def test_a_free_request_as_long_as_the_unreserved_pool_completes_beside_full_lea
         scheduler.add_request(make_request(f"f{i}", "free", 60, 120))
     _run(scheduler)
     assert long_free.is_finished() and len(long_free.output_token_ids) == 40
-    assert scheduler._free_queue.segment_sizes()[2:] == [2, 4]
+    assert scheduler._free_queue.reserved_sizes() == [2, 4]
 
 
 def test_a_tier_table_whose_caps_crowd_out_one_request_is_refused_at_start(demo_model, tmp_path):
@@ -446,3 +446,64 @@ def test_a_kv_share_too_small_for_one_request_is_refused_at_start(demo_model, tm
             TenantAwareScheduler, demo_model, 64, max_model_len=256,
             kvlease={"tiers": _capped_tiers(tmp_path, 0.1)},
         )  # fmt: skip
+
+
+def _turn_on(scheduler, clock, request) -> None:
+    """One turn, a second per step, so that only the test moves the lease clock."""
+    scheduler.add_request(request)
+    _run_on(scheduler, clock)
+
+
+def test_a_premium_turn_is_reserved_for_its_window_then_retained_until_its_lease_ends(
+    demo_model,
+):
+    """No history yet: the window is the tier's `reserve_max_seconds` (60 s), well inside
+    the 300 s lease. Within it the blocks are RESERVED; after it, RETAINED (evicted
+    last, but any tier may take them); after the lease, plain cached blocks."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.clock = clock = ManualClock()
+    chat = _conversation(140, seed=3)
+    _turn_on(scheduler, clock, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
+    holder = scheduler._holders[("pam", "c")]
+    ended = clock.now
+    assert (holder.leased, holder.reserved) == (4, 4)
+    clock.now = ended + 55.0  # its steps take a few more seconds
+    _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
+    assert (holder.leased, holder.reserved) == (4, 4)
+    clock.now = ended + 61.0
+    _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
+    assert (holder.leased, holder.reserved) == (4, 0)
+    assert scheduler.leases.active(("pam", "c"))
+    clock.now = ended + 301.0
+    _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
+    assert (holder.leased, holder.cached) == (0, 4)
+
+
+def test_one_shot_sessions_reserve_nothing_once_their_tenant_has_shown_they_never_return(
+    demo_model,
+):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.clock = clock = ManualClock()
+    reserved = []
+    for n in range(5):
+        prompt = _conversation(70, seed=20 + n)
+        _turn_on(
+            scheduler, clock, make_request("solo", "premium", 0, 2, session=f"q{n}", prompt=prompt)
+        )
+        holder = scheduler._holders[("solo", f"q{n}")]
+        reserved.append((holder.leased, holder.reserved))
+    # Two turns on the prior (return rate 1/2); from the third, the tenant's return rate
+    # (1/4, 1/5, ...) reserves nothing: the blocks are only retained by their lease.
+    assert reserved == [(2, 2), (2, 2), (2, 0), (2, 0), (2, 0)]
+
+
+@pytest.mark.parametrize(("mode", "reserved"), [("lease", 2), ("never", 0)])
+def test_the_reserve_setting_overrides_every_tiers_mode(demo_model, mode, reserved):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, reserve=mode)
+    scheduler.clock = clock = ManualClock()
+    for n in range(5):
+        prompt = _conversation(70, seed=30 + n)
+        _turn_on(
+            scheduler, clock, make_request("solo", "premium", 0, 2, session=f"q{n}", prompt=prompt)
+        )
+        assert scheduler._holders[("solo", f"q{n}")].reserved == reserved

@@ -23,6 +23,8 @@ def test_additional_config_wins_over_environment():
     )
     assert s.victim_rule is VictimRule.LRU and s.debug_accounting
     assert s.sample_seconds == 2.0
+    assert s.reserve is None  # each tier's own `reserve`
+    assert SchedulerSettings.load({}, env={"KVLEASE_RESERVE": "never"}).reserve == "never"
 
 
 @pytest.mark.parametrize(
@@ -32,6 +34,7 @@ def test_additional_config_wins_over_environment():
         ({}, {"KVLEASE_VICTIM_RULE": "random"}, "KVLEASE_VICTIM_RULE must be 'lru' or"),
         ({"kvlease": {"sample_seconds": 0}}, {}, "sample_seconds must be > 0"),
         ({}, {"KVLEASE_EVENT_CAPACITY": "lots"}, "KVLEASE_EVENT_CAPACITY must be a number"),
+        ({}, {"KVLEASE_RESERVE": "always"}, "KVLEASE_RESERVE must be one of 'auto'"),
     ],
 )
 def test_bad_settings_name_the_setting(additional, env, message):

@@ -36,6 +36,15 @@ def test_shipped_default_has_three_tiers_in_priority_order(tiers):
     assert [tiers[n].max_concurrent_requests for n in tiers] == [64, 32, 8]
 
 
+def test_a_tier_reserves_while_its_sessions_are_likely_back_unless_told_otherwise(tmp_path):
+    from engine.reservations import ReserveMode, ReservePolicy
+
+    assert TierTable.load()["premium"].reservation == ReservePolicy()  # auto, 0.9, 60 s, 0.5
+    path = tmp_path / "tiers.toml"
+    path.write_text(VALID.replace("priority = 5", "priority = 5\nreserve = 'lease'"))
+    assert TierTable.load(path)["bronze"].reservation.mode is ReserveMode.LEASE
+
+
 def test_concurrency_cap_is_optional():
     assert TierTable.from_toml(VALID)["gold"].max_concurrent_requests is None
 
@@ -122,6 +131,22 @@ def test_missing_file_names_the_path(tmp_path):
         (
             lambda s: s.replace("priority = 5", "priority = 5\nmax_tenant_kv_share = 0"),
             "'max_tenant_kv_share' is a fraction of the pool",
+        ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nreserve = 'always'"),
+            "'reserve' must be one of 'auto', 'lease', 'never'",
+        ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nreserve_quantile = 0"),
+            "need 0 < 'reserve_quantile' <= 1",
+        ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nreserve_max_seconds = -1"),
+            "'reserve_max_seconds' >= 0",
+        ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nreserve_min_return = 2"),
+            "0 <= 'reserve_min_return' <= 1",
         ),
     ],
 )

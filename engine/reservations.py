@@ -1,0 +1,156 @@
+"""Reservations: how long a leased session's blocks are kept from lower tiers.
+
+A lease (engine.leases) is the contract: for `lease_seconds` after a session's last
+turn its cached prefix is evicted last. That costs nothing while blocks are free. A
+*reservation* is stronger and costs the engine throughput: while it runs, lower tiers
+may not take the blocks at all (they wait, or are preempted). So a reservation lasts
+only while the session is likely to come back soon; after it the blocks are protected
+by eviction order alone (the RETAINED segments of engine.free_queue).
+
+The rule, per tier (`reserve` in the tier table):
+  never   no reservation: leases protect by eviction order only.
+  lease   the reservation lasts as long as the lease (kvlease before issue 30).
+  auto    when a session's turn ends at t, its blocks are reserved until t + w, with
+
+              p = (returns + 1) / (turns + 2)              its return rate (Laplace)
+              w = 0                                         if p < reserve_min_return
+              w = min(q-quantile of its think times,
+                      reserve_max_seconds, lease_seconds)   otherwise
+
+          `turns` counts finished turns (a session's last request in flight ending) and
+          `returns` those followed by a next turn of the same session while its lease
+          ran; think times are the gaps between the two. Both are read from the most
+          specific history that has `MIN_HISTORY` turns: the session's, else its
+          tenant's, else its tier's, else the prior (p = 1/2, w = reserve_max_seconds).
+          So traffic whose sessions never come back (one-shot requests) soon reserves
+          nothing, and a session that answers within seconds is reserved for seconds,
+          not for the 300 s of its lease.
+
+The window never outlives the lease, and the caps bound what is reserved at once
+(engine.policy.lease_caps_error), so a request that fits the unreserved pool never
+waits for a reservation. Plain Python; nothing here imports vLLM.
+
+Costs: `turn_ended` and `turn_started` O(1); `window` O(GAPS log GAPS) (a sort of at most
+32 think times), once per finished turn. Memory: one `History` per live session (the
+scheduler forgets it with the lease), per tenant and per tier, each at most GAPS floats.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+GAPS = 32  # think times remembered per key: the newest, so the estimate follows drift
+MIN_HISTORY = 3  # turns a history needs before it speaks for a session
+
+
+class ReserveMode(enum.StrEnum):
+    AUTO = "auto"
+    LEASE = "lease"
+    NEVER = "never"
+
+
+@dataclass(frozen=True, slots=True)
+class ReservePolicy:
+    """One tier's reservation settings (the tier table's `reserve*` keys)."""
+
+    mode: ReserveMode = ReserveMode.AUTO
+    quantile: float = 0.9  # of the think times: how many returns the window should catch
+    max_seconds: float = 60.0  # the longest window, whatever the history says
+    min_return: float = 0.5  # below this return rate nothing is reserved
+
+
+@dataclass(slots=True)
+class History:
+    """Finished turns, returns and the newest think times of one key."""
+
+    turns: int = 0
+    returns: int = 0
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS))
+
+    def return_rate(self) -> float:
+        return (self.returns + 1) / (self.turns + 2)
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile of the think times (nearest rank), or None without any."""
+        if not self.gaps:
+            return None
+        ordered = sorted(self.gaps)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class ReturnModel:
+    """Turn and return histories by session, tenant and tier, and the window they give.
+
+    Invariant: `_ended[s]` is the time session s's last turn ended, for exactly the
+    sessions between turns that the scheduler has not forgotten; each turn is counted
+    once in its session's, tenant's and tier's history, and each return once as well.
+    """
+
+    def __init__(self) -> None:
+        self._sessions: dict[Hashable, History] = {}
+        self._tenants: dict[Hashable, History] = {}
+        self._tiers: dict[str, History] = {}
+        self._ended: dict[Hashable, float] = {}
+
+    def _histories(self, session: Hashable, tenant: Hashable, tier: str) -> list[History]:
+        return [
+            self._sessions.setdefault(session, History()),
+            self._tenants.setdefault(tenant, History()),
+            self._tiers.setdefault(tier, History()),
+        ]
+
+    def turn_started(self, session: Hashable, tenant: Hashable, tier: str, now: float) -> None:
+        """A session's request arrived while its lease ran: if it was between turns, that
+        is a return, after a think time of now minus the end of its last turn."""
+        ended = self._ended.pop(session, None)
+        if ended is None:
+            return
+        gap = max(0.0, now - ended)
+        for history in self._histories(session, tenant, tier):
+            history.returns += 1
+            history.gaps.append(gap)
+
+    def turn_ended(self, session: Hashable, tenant: Hashable, tier: str, now: float) -> None:
+        """A session's last request in flight ended: one more turn that may or may not
+        be followed by a return."""
+        self._ended[session] = now
+        for history in self._histories(session, tenant, tier):
+            history.turns += 1
+
+    def forget(self, session: Hashable) -> None:
+        """The session's lease expired: a later request starts a new lease, not a return."""
+        self._sessions.pop(session, None)
+        self._ended.pop(session, None)
+
+    def window(
+        self, session: Hashable, tenant: Hashable, tier: str, lease: float, policy: ReservePolicy
+    ) -> float:
+        """Seconds to reserve a session's blocks after the turn that just ended (the
+        module docstring's rule). Call after `turn_ended`."""
+        if policy.mode is ReserveMode.NEVER or lease <= 0:
+            return 0.0
+        if policy.mode is ReserveMode.LEASE:
+            return lease
+        history = self._speaker(session, tenant, tier)
+        if history is None:
+            return min(policy.max_seconds, lease)
+        if history.return_rate() < policy.min_return:
+            return 0.0
+        think = history.quantile(policy.quantile)
+        if think is None:
+            think = policy.max_seconds
+        return min(think, policy.max_seconds, lease)
+
+    def _speaker(self, session: Hashable, tenant: Hashable, tier: str) -> History | None:
+        for book, key in ((self._sessions, session), (self._tenants, tenant), (self._tiers, tier)):
+            history = book.get(key)
+            if history is not None and history.turns >= MIN_HISTORY:
+                return history
+        return None
+
+    def tracked_sessions(self) -> int:
+        return len(self._sessions)

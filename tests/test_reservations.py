@@ -1,0 +1,109 @@
+"""The reservation window (engine.reservations): how long a session's blocks are kept
+from lower tiers after a turn, from the think times and return rate it has shown."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.reservations import MIN_HISTORY, ReserveMode, ReservePolicy, ReturnModel
+
+AUTO = ReservePolicy()
+
+
+def _turns(model: ReturnModel, session, gaps, tenant="acme", tier="premium", t0=0.0) -> float:
+    """A session that ends a turn, comes back after each gap, and ends a last turn."""
+    now = t0
+    model.turn_ended(session, tenant, tier, now)
+    for gap in gaps:
+        now += gap
+        model.turn_started(session, tenant, tier, now)
+        now += 1.0  # the turn runs
+        model.turn_ended(session, tenant, tier, now)
+    return now
+
+
+def test_a_session_that_answers_in_seconds_is_reserved_for_seconds_not_for_its_lease():
+    model = ReturnModel()
+    _turns(model, "s1", [2.0, 3.0, 4.0, 5.0])
+    # Five turns, four returns: rate 5/7; the 0.9-quantile of 2, 3, 4, 5 s is 5 s.
+    assert model.window("s1", "acme", "premium", 300.0, AUTO) == 5.0
+
+
+def test_one_shot_sessions_soon_reserve_nothing():
+    model = ReturnModel()
+    windows = []
+    for n in range(10):
+        model.turn_ended(f"s{n}", "acme", "premium", float(n))
+        windows.append(model.window(f"s{n}", "acme", "premium", 300.0, AUTO))
+    # Without history the prior reserves; from MIN_HISTORY one-shot turns on, the
+    # tenant's return rate (1 / (n + 2)) is below 1/2 and nothing is reserved.
+    assert windows[: MIN_HISTORY - 1] == [AUTO.max_seconds] * (MIN_HISTORY - 1)
+    assert windows[MIN_HISTORY - 1 :] == [0.0] * (10 - MIN_HISTORY + 1)
+
+
+def test_a_new_session_starts_from_its_tenants_history_then_its_tiers():
+    model = ReturnModel()
+    _turns(model, "old", [1.0, 1.0, 1.0], tenant="acme")
+    model.turn_ended("new", "acme", "premium", 100.0)
+    assert model.window("new", "acme", "premium", 300.0, AUTO) == 1.0  # acme's think time
+    model.turn_ended("other", "bob", "premium", 100.0)
+    assert model.window("other", "bob", "premium", 300.0, AUTO) == 1.0  # the tier's
+
+
+def test_a_return_after_the_lease_expired_is_not_a_return():
+    model = ReturnModel()
+    model.turn_ended("s1", "acme", "premium", 0.0)
+    model.forget("s1")  # the lease expired
+    model.turn_started("s1", "acme", "premium", 500.0)
+    assert model.tracked_sessions() == 0
+
+
+def test_the_modes_lease_and_never():
+    model = ReturnModel()
+    model.turn_ended("s1", "acme", "premium", 0.0)
+    lease = ReservePolicy(mode=ReserveMode.LEASE)
+    never = ReservePolicy(mode=ReserveMode.NEVER)
+    assert model.window("s1", "acme", "premium", 300.0, lease) == 300.0
+    assert model.window("s1", "acme", "premium", 300.0, never) == 0.0
+    assert model.window("s1", "acme", "premium", 0.0, lease) == 0.0  # no lease, no reservation
+
+
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["end", "start", "forget"]),
+        st.integers(0, 4),  # session
+        st.integers(0, 2),  # tenant
+        st.floats(0, 1000, allow_nan=False),  # time step
+    ),
+    max_size=80,
+)
+policies = st.builds(
+    ReservePolicy,
+    mode=st.sampled_from(list(ReserveMode)),
+    quantile=st.floats(0.01, 1.0),
+    max_seconds=st.floats(0, 1e6, allow_nan=False),
+    min_return=st.floats(0, 1),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=events, policy=policies, lease=st.floats(0, 1e4, allow_nan=False))
+def test_the_window_never_outlives_the_lease_nor_the_tier_bound(ops, policy, lease):
+    model = ReturnModel()
+    now = 0.0
+    for op, session, tenant, step in ops:
+        now += step
+        if op == "end":
+            model.turn_ended(session, tenant, "premium", now)
+            window = model.window(session, tenant, "premium", lease, policy)
+            assert 0.0 <= window <= lease
+            if policy.mode is ReserveMode.AUTO:
+                assert window <= policy.max_seconds
+            if policy.mode is ReserveMode.NEVER:
+                assert window == 0.0
+        elif op == "start":
+            model.turn_started(session, tenant, "premium", now)
+        else:
+            model.forget(session)
+    assert model.tracked_sessions() <= 5
