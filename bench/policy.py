@@ -2,6 +2,7 @@
 
     python -m bench.policy            # the 60 s trace (bench/workload.py), ~8 min here
     python -m bench.policy --quick    # a 12 s trace: the CI smoke test, ~1.5 min
+    python -m bench.policy --one-shot # every session used once (bench/workload.ONE_SHOT_SPEC)
     python -m bench.policy --trace FILE [--pool-blocks N] [--steps-per-second S]
 
 Each way is a real in-process vLLM engine (the demo model, a 64-block pool so
@@ -11,8 +12,10 @@ the trace must preempt), started once in this process:
   priority  stock vLLM Scheduler, PRIORITY with priority = tier (the baseline to beat)
   kvlease   TenantAwareScheduler (victim rule `least_work`, vLLM policy FCFS: kvlease
             orders by tier itself), metrics, tracing and ledger on
-plus `lru`, kvlease with the seed's `lru` victim rule, `fifo`, kvlease with fair
-share off (FIFO within a tier, as before issue 18: what fair share costs here), and
+plus the ablations, kvlease with one mechanism changed: `lru`, the seed's `lru` victim
+rule; `fifo`, fair share off (FIFO within a tier, as before issue 18); `reserve-lease`,
+every reservation as long as its lease (as before issue 30); `reserve-never`, leases
+protect by eviction order only, nothing reserved; and
 `kvlease-quiet`, kvlease with all telemetry off, for the cost of telemetry
 (played alternately with `kvlease`, `--repeats` times each). An in-process
 engine with the demo model starts in a few seconds.
@@ -47,6 +50,7 @@ from replay.sessions import Arrival, StepTrace
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
 MAX_CONTEXT = 1400  # a session ends before its context passes this (or max_model_len)
 RESULTS = Path(__file__).parent / "results"
+ABLATIONS = ("lru", "fifo", "reserve-lease", "reserve-never")  # kvlease, one mechanism changed
 
 
 @dataclass
@@ -88,6 +92,9 @@ def play(
     llm.reset_prefix_cache()
     step = 0
     if hasattr(scheduler, "leases"):  # kvlease's lease clock follows the steps of this run
+        from engine.reservations import ReturnModel
+
+        scheduler.returns = ReturnModel()  # no think times yet, as on a fresh server
         origin = time.monotonic() + 10_000.0 * (1 + _runs(scheduler))  # past every older lease
         scheduler.clock = lambda: origin + step / steps_per_second
     live: dict[str, Request] = {}
@@ -259,6 +266,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 12 s trace (smoke test)")
     parser.add_argument("--trace", type=Path, help="replay a trace CSV instead")
+    parser.add_argument("--one-shot", action="store_true", help="sessions that never return")
     parser.add_argument("--model", default=None, help="default: the demo model (built if missing)")
     parser.add_argument("--steps-per-second", type=float, default=10.0)
     parser.add_argument("--pool-blocks", type=int, default=POOL_BLOCKS)
@@ -276,7 +284,8 @@ def main() -> int:
 
     model = args.model or str(ensure_demo_model())
     tiers = TierTable.load()
-    turns = load(args.quick, args.trace)
+    turns = load(args.quick, args.trace, args.one_shot)
+    trace_name = "one-shot" if args.one_shot else "seeded"
     premium = [t for t in turns if t.tier == TIERS[0]]
     print(f"trace: {len(turns)} requests ({len(premium)} premium)", flush=True)
     pool = args.pool_blocks
@@ -297,13 +306,20 @@ def main() -> int:
         "fifo": start_engine(
             "fifo", model, TenantAwareScheduler, "fcfs", pool, {"fair_share": False}
         ),
+        **{
+            f"reserve-{mode}": start_engine(
+                f"reserve-{mode}", model, TenantAwareScheduler, "fcfs", pool, {"reserve": mode}
+            )
+            for mode in ("lease", "never")
+        },
         "fcfs": start_engine("fcfs", model, Scheduler, "fcfs", pool),
         "priority": start_engine("priority", model, Scheduler, "priority", pool),
     }  # fmt: skip
     sps = args.steps_per_second
     ways: dict[str, dict] = {}
     runs = [("alone", "kvlease-quiet", premium), ("fcfs", "fcfs", turns)]
-    runs += [("priority", "priority", turns), ("lru", "lru", turns), ("fifo", "fifo", turns)]
+    runs += [("priority", "priority", turns)]
+    runs += [(way, way, turns) for way in ABLATIONS]
     for name, engine, trace in runs:
         ways[name] = summarize(play(engines[engine], trace, name, sps, tiers), tiers, caps)
         _progress(name, ways[name])
@@ -323,7 +339,7 @@ def main() -> int:
     )  # fmt: skip
     quiet_tps, loud_tps = max(tps["kvlease-quiet"]), max(tps["kvlease"])
     result = {
-        "trace": "file" if args.trace else ("quick" if args.quick else "seeded"),
+        "trace": "file" if args.trace else "quick" if args.quick else trace_name,
         "requests": len(turns),
         "pool_blocks": pool,
         "steps_per_second": sps,
@@ -333,7 +349,7 @@ def main() -> int:
         "targets": targets(ways, quiet_tps, loud_tps),
         "machine": report.machine(),
     }
-    name = "policy-quick" if args.quick else "policy"
+    name = "policy-quick" if args.quick else f"policy-{trace_name}" if args.one_shot else "policy"
     report.write(args.out, name, result, markdown(result))
     report.plot_ttft(args.out / f"{name}.png", ways, TIERS)
     print(markdown(result))
@@ -359,7 +375,7 @@ def markdown(result: dict) -> str:
         "TPOT steps | preemptions | recomputed tokens | leased prefix hit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for way in ("alone", "fcfs", "priority", "kvlease", "lru", "fifo"):
+    for way in ("alone", "fcfs", "priority", "kvlease", *ABLATIONS):
         for tier, t in ways[way]["tiers"].items():
             s, w = t["ttft_steps"], t["ttft_seconds"]
             hit = "-"
@@ -377,7 +393,7 @@ def markdown(result: dict) -> str:
         "| earlier-turn context recomputed | wasted prefill |",
         "|---|---|---|---|---|---|---|",
     ]
-    for way in ("alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "lru", "fifo"):
+    for way in ("alone", "fcfs", "priority", "kvlease", "kvlease-quiet", *ABLATIONS):
         w = ways[way]
         lines.append(
             f"| {way} | {w['engine_steps']} | {w['output_tokens_per_step']:.2f} | "

@@ -33,13 +33,17 @@ SPEC = WorkloadSpec(
     seed=1,
 )
 QUICK_SPEC = replace(SPEC, duration=12.0, sessions_per_second=1.0, seed=9)  # all three tiers
+# Every session used once (a new user's first try, an API client naming a fresh session
+# per call): as many requests as SPEC, none ever coming back.
+ONE_SHOT_SPEC = replace(SPEC, mean_turns=1.0, sessions_per_second=1.5)
 
 
-def load(quick: bool = False, trace: Path | None = None) -> list[Turn]:
-    """The benchmark trace: a file if given, else the seeded one (smaller when quick)."""
+def load(quick: bool = False, trace: Path | None = None, one_shot: bool = False) -> list[Turn]:
+    """The benchmark trace: a file if given, else the seeded one (smaller when quick, or
+    of one-shot sessions)."""
     if trace is not None:
         return load_trace(trace)
-    return generate(QUICK_SPEC if quick else SPEC)
+    return generate(QUICK_SPEC if quick else ONE_SHOT_SPEC if one_shot else SPEC)
 
 
 def main() -> int:

@@ -39,7 +39,10 @@ def out(tmp_path_factory) -> Path:
 def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token(out, kvlease_home):
     result = _bench("policy", out, kvlease_home)
     ways = result["ways"]
-    assert set(ways) == {"alone", "fcfs", "priority", "kvlease", "kvlease-quiet", "lru", "fifo"}
+    assert set(ways) == {
+        "alone", "fcfs", "priority", "kvlease", "kvlease-quiet",
+        "lru", "fifo", "reserve-lease", "reserve-never",
+    }  # fmt: skip
     full = {w: ways[w]["requests"] for w in ways if w != "alone"}
     assert len(set(full.values())) == 1, full  # every way replays the same requests
     # Premium alone never runs short here: nothing preempted, so nothing recomputed.
