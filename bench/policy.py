@@ -352,6 +352,8 @@ def main() -> int:
     name = "policy-quick" if args.quick else f"policy-{trace_name}" if args.one_shot else "policy"
     report.write(args.out, name, result, markdown(result))
     report.plot_ttft(args.out / f"{name}.png", ways, TIERS)
+    reservations = ("priority", "reserve-never", "kvlease", "reserve-lease")
+    report.plot_frontier(args.out / f"{name}-frontier.png", ways, reservations, TIERS[0])
     print(markdown(result))
     if records != loud_requests:
         print(f"ledger has {records} records for {loud_requests} requests", file=sys.stderr)

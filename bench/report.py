@@ -84,6 +84,27 @@ def plot_ttft(path: Path, ways: dict[str, dict], tiers: Sequence[str]) -> None:
     plt.close(fig)
 
 
+def plot_frontier(path: Path, ways: dict[str, dict], names: Sequence[str], tier: str) -> None:
+    """The reservation's trade: `tier`'s leased next-turn prefix hit against the engine
+    steps (as a ratio to stock PRIORITY's), one point per way."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    base = ways["priority"]["engine_steps"]
+    for way in names:
+        hit = ways[way]["tiers"].get(tier, {}).get("leased_prefix_hit")
+        if hit is None:
+            continue
+        x = ways[way]["engine_steps"] / base
+        ax.plot([x], [hit * 100], marker="o")
+        ax.annotate(way, (x, hit * 100), textcoords="offset points", xytext=(5, 5))
+    ax.set_title(f"Leased {tier} next-turn prefix hit against engine steps")
+    ax.set_xlabel("engine steps / stock PRIORITY's")
+    ax.set_ylabel("prefix hit, %")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_lines(
     path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]]
 ) -> None:
