@@ -21,8 +21,10 @@ as little of vLLM as it can and copies none of `schedule()`:
   for the blocks it lacks after its prefix-cache hit. Those victims sit out
   the step, so they are not re-admitted in it.
 - The block pool's free queue becomes a `TenantFreeBlockQueue`: leased prefixes
-  are evicted last, and while a request allocates, the prefixes leased by more
-  important tiers are reserved from it (unless nothing else runs).
+  are evicted last, and while a request allocates, the prefixes more important
+  tiers reserve are hidden from it (unless nothing else runs). A session's
+  prefix is reserved after a turn only for its window (`engine.reservations`,
+  decided in `_end_turn`), then retained until its lease ends.
 - `_preempt_request`, `_free_request`, `_free_request_blocks` and the deferred
   frees are wrapped to record events, leases and accounting.
 """
@@ -196,6 +198,10 @@ class TenantSchedulingMixin:
       emptied as vLLM drains them. `_delayed`: finished requests whose blocks a connector
       still reads -> their Holder. `_awaiting_hit`: leased next turns not yet scheduled
       (their prefix-cache hit is read when they are). Each O(requests concerned).
+    - `returns`: turns, returns and think times by session (forgotten with its lease),
+      tenant label and tier (engine.reservations). `_windows`: a heap of reservation
+      ends (until, seq, session); an entry whose holder has since renewed its window
+      (`reserved_until` differs) is skipped. O(log n) per turn.
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`).
     Per step the mixin adds O(1) work plus one wrapper call per allocation; the admission
@@ -455,11 +461,10 @@ class TenantSchedulingMixin:
         )
         change = self.leases.request_started(tenancy.session, tier.lease_seconds)
         if change is not None:
-            if change.kind == "renew" and holder.in_flight == 1:  # back between turns
-                self.returns.turn_started(
-                    tenancy.session, self._label(tenant_id), tier.name, change.at
-                )
             if change.kind == "renew":
+                if holder.in_flight == 1:  # back between turns: how long it took
+                    label = self._label(tenant_id)
+                    self.returns.turn_started(tenancy.session, label, tier.name, change.at)
                 tenancy.lease_covered = self._lease_covered(holder, request)
                 if tenancy.lease_covered:
                     self._awaiting_hit[request.request_id] = tenancy

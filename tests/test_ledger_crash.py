@@ -110,60 +110,63 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
     db_path = tmp_path / "usage.db"
     usage_db = f"sqlite:///{db_path}"
     server = _serve(kvlease_home, tmp_path / "first.log", usage_db)
-    answered: list[str] = []
-    stop = threading.Event()
+    try:
+        answered: list[str] = []
+        stop = threading.Event()
 
-    def client(n: int) -> None:
-        headers = server.headers(f"crash-{n}", "standard")
-        with httpx.Client(timeout=30) as http:
-            while not stop.is_set():
-                try:
-                    r = http.post(
-                        f"{server.url}/v1/completions",
-                        headers=headers,
-                        json={
-                            "model": "kvlease-demo",
-                            "prompt": f"client {n}",
-                            "max_tokens": 40,
-                            "ignore_eos": True,
-                        },
-                    )
-                    if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40:
-                        answered.append(r.headers["x-request-id"])  # a complete response
-                except (httpx.HTTPError, ValueError):
-                    return  # the server is gone
+        def client(n: int) -> None:
+            headers = server.headers(f"crash-{n}", "standard")
+            with httpx.Client(timeout=30) as http:
+                while not stop.is_set():
+                    try:
+                        r = http.post(
+                            f"{server.url}/v1/completions",
+                            headers=headers,
+                            json={
+                                "model": "kvlease-demo",
+                                "prompt": f"client {n}",
+                                "max_tokens": 40,
+                                "ignore_eos": True,
+                            },
+                        )
+                        if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40:
+                            answered.append(r.headers["x-request-id"])  # a complete response
+                    except (httpx.HTTPError, ValueError):
+                        return  # the server is gone
 
-    clients = [threading.Thread(target=client, args=(n,)) for n in range(6)]
-    for c in clients:
-        c.start()
-    deadline = time.monotonic() + 60
-    while len(answered) < 30 and time.monotonic() < deadline:
-        time.sleep(0.05)
+        clients = [threading.Thread(target=client, args=(n,)) for n in range(6)]
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 60
+        while len(answered) < 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
-    # Streams cut mid-way. The engine is frozen before they start, then let run in short
-    # slices, each followed by a wait for its text to reach the client, until every
-    # stream has streamed text: none can reach its 4,000th token unless this machine
-    # stalls for seconds inside a slice (and then the stream counts as finished, below).
-    # The kill comes once the server has journaled all it sent.
-    frozen = _engine_processes(server.proc.pid)
-    _signal(frozen, signal.SIGSTOP)
-    streams = [Stream(server, f"stream-{n}") for n in range(3)]
-    _until(lambda: all(s.request_id for s in streams), "the streams start")
-    for _ in range(200):
-        if all(s.texts or s.done for s in streams):
-            break
-        _signal(frozen, signal.SIGCONT)
-        time.sleep(0.01)
+        # Streams cut mid-way. The engine is frozen before they start, then let run in short
+        # slices, each followed by a wait for its text to reach the client, until every
+        # stream has streamed text: none can reach its 4,000th token unless this machine
+        # stalls for seconds inside a slice (and then the stream counts as finished, below).
+        # The kill comes once the server has journaled all it sent.
+        frozen = _engine_processes(server.proc.pid)
         _signal(frozen, signal.SIGSTOP)
-        _wait(lambda: all(s.texts or s.done for s in streams), 2)
+        streams = [Stream(server, f"stream-{n}") for n in range(3)]
+        _until(lambda: all(s.request_id for s in streams), "the streams start")
+        for _ in range(200):
+            if all(s.texts or s.done for s in streams):
+                break
+            _signal(frozen, signal.SIGCONT)
+            time.sleep(0.01)
+            _signal(frozen, signal.SIGSTOP)
+            _wait(lambda: all(s.texts or s.done for s in streams), 2)
 
-    def journaled() -> bool:
-        rows = _journaled(db_path)
-        return all(s.done or rows.get(s.request_id) == s.texts for s in streams)
+        def journaled() -> bool:
+            rows = _journaled(db_path)
+            return all(s.done or rows.get(s.request_id) == s.texts for s in streams)
 
-    _until(journaled, "the server journals every text it sent")
-    os.killpg(server.proc.pid, signal.SIGKILL)  # the API server, engine and workers at once
-    server.proc.wait(30)
+        _until(journaled, "the server journals every text it sent")
+        os.killpg(server.proc.pid, signal.SIGKILL)  # the API server, engine and workers at once
+        server.proc.wait(30)
+    finally:  # a failure before the kill must not leave a server (frozen engine) behind
+        server.stop(signal.SIGKILL)
     stop.set()
     for c in [*clients, *(s.thread for s in streams)]:
         c.join(30)
