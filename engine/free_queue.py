@@ -103,7 +103,7 @@ class TenantFreeBlockQueue:
     blocks freed with no owner); each Holder's `cached`/`leased`/`reserved` equal
     the blocks it owns in those segments; `_count[s] <= _cap[s]` for every RESERVED s.
 
-    Costs: popleft is O(segments) (a small constant: 2 tiers + 2), remove,
+    Costs: popleft is O(segments) (a small constant: twice the leasing tiers, + 2), remove,
     append (with a demotion at the cap) and prepend are O(1), `num_free_blocks`
     is a plain attribute, `reserve` O(segments); none allocates.
     `retain`, `demote` and `release` are O(blocks in that tier's segments) and happen
@@ -128,7 +128,6 @@ class TenantFreeBlockQueue:
         self._free = 0  # every free block
         self.num_free_blocks = 0  # those the current allocation may take (vLLM reads this)
         self.owner: Holder | None = None  # who is freeing blocks right now (set by the scheduler)
-        self.no_reserve = self._tiers  # `reserve(k)` when every block may be taken
         self.reserve_from = nseg  # segments from here on are hidden (`reserve`)
         self.evicting: list[Holder] = []  # holders with pending evictions to report
         for block in blocks:
