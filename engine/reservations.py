@@ -53,6 +53,16 @@ class ReserveMode(enum.StrEnum):
     NEVER = "never"
 
 
+def reserve_mode(value: object) -> ReserveMode:
+    """The mode `value` names; a ValueError that lists the modes otherwise (the tier
+    table and the scheduler settings prefix it with where the value came from)."""
+    try:
+        return ReserveMode(value)
+    except ValueError:
+        modes = ", ".join(repr(m.value) for m in ReserveMode)
+        raise ValueError(f"must be one of {modes}, got {value!r}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class ReservePolicy:
     """One tier's reservation settings (the tier table's `reserve*` keys)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.policy import VictimRule
-from engine.reservations import ReserveMode
+from engine.reservations import ReserveMode, reserve_mode
 from engine.tenancy import TIERS_ENV, TierTable
 
 KEYS = {
@@ -83,12 +83,9 @@ class SchedulerSettings:
         reserve = None
         if raw["reserve"] not in (None, ""):
             try:
-                reserve = ReserveMode(raw["reserve"])
-            except ValueError:
-                modes = ", ".join(repr(m.value) for m in ReserveMode)
-                raise SettingsError(
-                    f"{where('reserve')} must be one of {modes}, got {raw['reserve']!r}"
-                ) from None
+                reserve = reserve_mode(raw["reserve"])
+            except ValueError as exc:
+                raise SettingsError(f"{where('reserve')} {exc}") from None
         debug = _flag(raw["debug_accounting"], False, where("debug_accounting"))
         fair = _flag(raw["fair_share"], True, where("fair_share"))
         capacity = number("event_capacity", 0, 65536)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.policy import leased_cap_blocks, unreserved_blocks
-from engine.reservations import ReserveMode, ReservePolicy
+from engine.reservations import ReservePolicy, reserve_mode
 
 TIERS_ENV = "KVLEASE_TIERS"
 
@@ -302,10 +302,9 @@ def _parse_tier(name: str, body: Any, fail) -> Tier:
 def _parse_reservation(body: Mapping[str, Any], where: str, fail) -> ReservePolicy:
     default = ReservePolicy()
     try:
-        mode = ReserveMode(body.get("reserve", default.mode))
-    except ValueError:
-        modes = ", ".join(repr(m.value) for m in ReserveMode)
-        raise fail(f"{where}: 'reserve' must be one of {modes}, got {body['reserve']!r}") from None
+        mode = reserve_mode(body.get("reserve", default.mode))
+    except ValueError as exc:
+        raise fail(f"{where}: 'reserve' {exc}") from None
     quantile = _number(
         body.get("reserve_quantile", default.quantile), f"{where}: 'reserve_quantile'", fail
     )
