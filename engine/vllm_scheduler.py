@@ -216,6 +216,13 @@ class TenantSchedulingMixin:
         self.clock = time.monotonic
         self.leases = LeaseBook(clock=lambda: self.clock())
         self.returns = ReturnModel()  # when sessions come back: the reservation window
+        override = self.settings.reserve  # KVLEASE_RESERVE: every tier's mode at once
+        self._reserve_policy = {
+            name: tier.reservation
+            if override is None
+            else dataclasses.replace(tier.reservation, mode=override)
+            for name, tier in tiers.items()
+        }
         self._windows: list[tuple[float, int, Hashable]] = []  # reservation ends, a heap
         self.events = EventBuffer(self.settings.event_capacity)
         self.accounting = TenantAccounting()
@@ -872,9 +879,7 @@ class TenantSchedulingMixin:
         now = self.clock()
         tenant = self._label(t.tenant_id)
         self.returns.turn_ended(t.session, tenant, tier.name, now)
-        policy = tier.reservation
-        if self.settings.reserve is not None:
-            policy = dataclasses.replace(policy, mode=self.settings.reserve)
+        policy = self._reserve_policy[tier.name]
         window = self.returns.window(t.session, tenant, tier.name, tier.lease_seconds, policy)
         holder.reserving = window > 0
         holder.reserved_until = now + window if window < tier.lease_seconds else math.inf
