@@ -7,6 +7,7 @@ import threading
 import time
 
 import msgspec
+from waiting import until
 
 from engine.channel import Publisher, Receiver, address_for, new_address
 from engine.events import EngineState, Message, Preemption, RequestDone, Totals
@@ -41,13 +42,6 @@ def _done(request: str, api_server: int) -> RequestDone:
                        api_server=api_server)  # fmt: skip
 
 
-def _wait(predicate, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "the channel delivered nothing"
-        time.sleep(0.01)
-
-
 def test_every_api_process_gets_every_ranks_messages():
     base = new_address()
     got: list[list[Message]] = [[], []]
@@ -65,7 +59,7 @@ def test_every_api_process_gets_every_ranks_messages():
     try:
         for rank, publisher in enumerate(ranks):
             assert publisher.publish(Message([_done(f"r{rank}", rank)], _state(), rank)) == 0
-        _wait(lambda: all(len(g) == 2 for g in got))
+        until(lambda: all(len(g) == 2 for g in got), "every message at every API process", 10, 0.01)
         for messages in got:
             assert sorted(m.engine for m in messages) == [0, 1]
     finally:

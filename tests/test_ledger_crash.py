@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from servers import start
+from waiting import until, wait
 
 from exporters.ledger import UsageLedger
 
@@ -94,18 +95,6 @@ def _journaled(path: Path) -> dict[str, int]:
         return dict(db.execute("SELECT request_id, output_tokens FROM usage_open").fetchall())
 
 
-def _wait(predicate, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not (value := predicate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return bool(value)
-
-
-def _until(predicate, what: str, seconds: float = 120) -> None:
-    """Wait for a state, not for a time: the deadline only turns a hang into a failure."""
-    assert _wait(predicate, seconds), f"never: {what}"
-
-
 def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_home, tmp_path):
     db_path = tmp_path / "usage.db"
     usage_db = f"sqlite:///{db_path}"
@@ -149,20 +138,20 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
         frozen = _engine_processes(server.proc.pid)
         _signal(frozen, signal.SIGSTOP)
         streams = [Stream(server, f"stream-{n}") for n in range(3)]
-        _until(lambda: all(s.request_id for s in streams), "the streams start")
+        until(lambda: all(s.request_id for s in streams), "the streams start")
         for _ in range(200):
             if all(s.texts or s.done for s in streams):
                 break
             _signal(frozen, signal.SIGCONT)
             time.sleep(0.01)
             _signal(frozen, signal.SIGSTOP)
-            _wait(lambda: all(s.texts or s.done for s in streams), 2)
+            wait(lambda: all(s.texts or s.done for s in streams), 2)
 
         def journaled() -> bool:
             rows = _journaled(db_path)
             return all(s.done or rows.get(s.request_id) == s.texts for s in streams)
 
-        _until(journaled, "the server journals every text it sent")
+        until(journaled, "the server journals every text it sent")
         os.killpg(server.proc.pid, signal.SIGKILL)  # the API server, engine and workers at once
         server.proc.wait(30)
     finally:  # a failure before the kill must not leave a server (frozen engine) behind
@@ -178,7 +167,7 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
     try:
         ledger = UsageLedger(usage_db)
         # The restarted server bills what the dead one journaled, once it is stale.
-        _until(lambda: not _journaled(db_path), "the cut streams recovered")
+        until(lambda: not _journaled(db_path), "the cut streams recovered")
         records = list(ledger.read(0, 4e9))
         ids = [r.request_id for r in records]
         by_id = {r.request_id: r for r in records}

@@ -15,6 +15,7 @@ import signal
 import time
 from collections import Counter
 from contextlib import redirect_stdout
+from functools import partial
 
 import httpx
 import openai
@@ -22,6 +23,7 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import kvlease_serve, prometheus
+from waiting import until
 
 from dashboard.data import PrometheusSource
 from engine.affinity import session_rank
@@ -104,14 +106,8 @@ def _own(server, family, **labels) -> dict[tuple, float]:
     return dict(out)
 
 
-def _until(check, what: str, seconds: float = 120):
-    deadline = time.monotonic() + seconds
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.5)
+# Prometheus, the dashboard and the shared ledger settle in scrapes: poll them at 2 Hz.
+until_scraped = partial(until, interval=0.5)
 
 
 def _query(prom: str, expr: str, at: float | None = None) -> list[dict]:
@@ -166,7 +162,7 @@ def test_sessions_stay_on_their_rank_and_find_their_lease_on_turn_two(fleet):
         rows = [r for r in _raw_export(db) if r["tenant_id"] == "chat-co"]
         return rows if len(rows) == 12 else None
 
-    rows = _until(turn_twos, "12 chat-co records in the shared ledger")
+    rows = until_scraped(turn_twos, "12 chat-co records in the shared ledger")
     covered = sorted(int(r["lease_covered_tokens"]) for r in rows)
     assert covered[:6] == [0] * 6 and all(n > 0 for n in covered[6:])  # the leased turns
 
@@ -184,7 +180,7 @@ def test_per_rank_blocks_add_up_to_the_whole(fleet):
     own = _own(a, "vllm_tenant_kv_pool_blocks", engine=None)
     assert sorted(own) == [("0",), ("1",)] and sum(own.values()) == state["pool_blocks"]
     instance = f'instance="127.0.0.1:{a.port}"'
-    by_engine = _until(
+    by_engine = until_scraped(
         lambda: _query(prom, f"sum by (engine) (vllm_tenant_kv_pool_blocks{{{instance}}})"),
         "the ranks' pool gauges in Prometheus",
     )
@@ -229,7 +225,7 @@ def test_the_fleet_adds_up_in_prometheus_the_dashboard_grafana_and_the_export(fl
         }
         return (own_a, own_b, fleet_own) if got == fleet_own else None
 
-    own_a, own_b, fleet_own = _until(
+    own_a, own_b, fleet_own = until_scraped(
         prometheus_tokens, "Prometheus's token sums equal to the replicas' own"
     )
     assert own_b.get(("a-only", "input"), 0) == 0 and own_a[("a-only", "input")] > 0
@@ -251,7 +247,7 @@ def test_the_fleet_adds_up_in_prometheus_the_dashboard_grafana_and_the_export(fl
         engines = set(live.engines["engine"])
         return got if got == own_held and len(engines) == 3 else None
 
-    _until(dashboard_held, "the dashboard's blocks per tenant equal to the replicas' own")
+    until_scraped(dashboard_held, "the dashboard's blocks per tenant equal to the replicas' own")
 
     # Grafana's panel queries over the fleet are the sums of each replica's.
     at = time.time()
@@ -281,7 +277,7 @@ def test_the_fleet_adds_up_in_prometheus_the_dashboard_grafana_and_the_export(fl
         rows = _raw_export(db)
         return rows if len(rows) == sum(SENT.values()) else None
 
-    rows = _until(ledger, "a record per request in the shared ledger")
+    rows = until_scraped(ledger, "a record per request in the shared ledger")
     assert len({r["request_id"] for r in rows}) == len(rows)
     billed: Counter[tuple] = Counter()
     for r in rows:
@@ -294,7 +290,7 @@ def test_the_fleet_adds_up_in_prometheus_the_dashboard_grafana_and_the_export(fl
         used = _own(b, BUDGET_USED.name, tenant_id="spender")
         return used if used.get(("spender",), 0) > 0 else None
 
-    _until(b_sees_spend, "replica B's budget gauge for a tenant only A served")
+    until_scraped(b_sees_spend, "replica B's budget gauge for a tenant only A served")
 
 
 def _plus(*figures: dict) -> dict:
