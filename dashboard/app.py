@@ -109,6 +109,16 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
             "lease_seconds_left": st.column_config.NumberColumn("lease s left", format="%.0f"),
             "preemptions_5m": "preemptions (5 min)",
             "evictions_5m": "evicted blocks (5 min)",
+            "reserved_5m": st.column_config.NumberColumn(
+                "reserved block-s (5 min)",
+                help="KV retention: block-seconds its leased sessions kept lower tiers out of "
+                "between turns (billed)",
+            ),
+            "retained_5m": st.column_config.NumberColumn(
+                "retained block-s (5 min)",
+                help="KV retention: block-seconds its leased sessions' blocks were kept, "
+                "evicted last, between turns (billed)",
+            ),
         },
     )
     if len(live.engines) > 1:
@@ -210,7 +220,7 @@ def tenants_view(table: pd.DataFrame, currency: str) -> None:
         change_pct=usage.change_percent(table),
     ).drop(columns=["previous_cost"])
     st.dataframe(
-        shown.astype({"block_hours": float}),
+        shown.astype(dict.fromkeys(usage.HOURS, float)),
         hide_index=True,
         key="tenants",
         column_config={
@@ -228,6 +238,18 @@ def tenants_view(table: pd.DataFrame, currency: str) -> None:
                 "lease reused", help="of those, served from the prefix cache: what leasing bought"
             ),
             "block_hours": st.column_config.NumberColumn("KV block-hours", format="%.4f"),
+            "reserved_hours": st.column_config.NumberColumn(
+                "retention reserved",
+                format="%.4f",
+                help="KV retention: block-hours its leased sessions kept lower tiers out of "
+                "between turns",
+            ),
+            "retained_hours": st.column_config.NumberColumn(
+                "retention retained",
+                format="%.4f",
+                help="KV retention: block-hours its leased sessions' blocks were only evicted "
+                "last between turns",
+            ),
             "cost": f"cost ({currency})",
             "change": st.column_config.TextColumn(
                 f"change ({currency})", help="against the period of the same length before"
@@ -250,7 +272,9 @@ def statement_view(finance: usage.Finance, lo: float, hi: float) -> None:
         st.error(str(err))
         return
     st.dataframe(
-        s.lines.assign(cost=[f"{c:.6f}" for c in s.lines["cost"]]).astype({"block_hours": float}),
+        s.lines.assign(cost=[f"{c:.6f}" for c in s.lines["cost"]]).astype(
+            dict.fromkeys(usage.HOURS, float)
+        ),
         hide_index=True,
         key="statement_lines",
     )

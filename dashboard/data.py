@@ -50,6 +50,8 @@ TENANT_COLUMNS = [
     "lease_seconds_left",
     "preemptions_5m",
     "evictions_5m",
+    "reserved_5m",  # KV retention block-seconds (leased blocks between turns), last 5 min
+    "retained_5m",
 ]
 EVENT_COLUMNS = ["t", "kind", "tier", "reason", "n"]
 LEASE_COLUMNS = ["t", "tier", "reused", "lost"]  # prefix tokens of leased next turns, per interval
@@ -211,6 +213,13 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
                 preempted[e["tenant_id"]] += 1
             else:
                 evicted[e["tenant_id"]] += e["blocks"]
+    recent = [s for s in samples if s["t"] >= now - RECENT_SECONDS]
+    retention: dict[str, list[float]] = {}
+    if len(recent) > 1:
+        first, last = recent[0].get("retention", {}), recent[-1].get("retention", {})
+        for tenant, after in last.items():
+            was = first.get(tenant, [0.0, 0.0])
+            retention[tenant] = [after[0] - was[0], after[1] - was[1]]
     tiers = state.get("tenant_tiers", {})
     leases = state.get("lease_summary", {})
     names = sorted(set(state["tenants"]) | set(leases) | set(preempted) | set(evicted))
@@ -227,6 +236,7 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
                 lease.get("seconds_left_max"),
                 preempted.get(tenant, 0),
                 evicted.get(tenant, 0),
+                retention.get(tenant, [0.0, 0.0]),
             )
         )
     engines = [
@@ -258,7 +268,9 @@ def _event_n(event: dict[str, Any]) -> int:
     return 1 if event["kind"] == "preemption" else event["blocks"]
 
 
-def _tenant_row(tenant, tier, blocks, leases, seconds_left, preemptions, evictions) -> dict:
+def _tenant_row(
+    tenant, tier, blocks, leases, seconds_left, preemptions, evictions, retention
+) -> dict:
     running, leased, cached = (int(b) for b in blocks)
     return {
         "tenant_id": tenant,
@@ -271,6 +283,8 @@ def _tenant_row(tenant, tier, blocks, leases, seconds_left, preemptions, evictio
         "lease_seconds_left": round(seconds_left, 1) if leases and seconds_left else None,
         "preemptions_5m": round(preemptions),
         "evictions_5m": round(evictions),
+        "reserved_5m": round(retention[0], 1),
+        "retained_5m": round(retention[1], 1),
     }
 
 
@@ -294,6 +308,7 @@ QUERIES = {
     "lease_left": f"max by (tenant_id) ({m.LEASE_SECONDS_LEFT.name})",
     "preemptions_5m": f"sum by (tenant_id) (increase({m.PREEMPTIONS.name}[5m]))",
     "evictions_5m": f"sum by (tenant_id) (increase({m.CACHED_EVICTIONS.name}[5m]))",
+    "retention_5m": f"sum by (tenant_id, state) (increase({m.RETENTION_BLOCK_SECONDS.name}[5m]))",
     # per engine: each replica's data-parallel ranks
     "engine_pool": f"sum by (instance, engine) ({m.POOL_BLOCKS.name})",
     "engine_free": f"sum by (instance, engine) ({m.FREE_BLOCKS.name})",
@@ -364,6 +379,12 @@ def live_from_prometheus(
     tiers = {r["metric"]["tenant_id"]: r["metric"]["tier"] for r in instant.get("tiers", [])}
     leases, left = by_tenant("leases"), by_tenant("lease_left")
     preempted, evicted = by_tenant("preemptions_5m"), by_tenant("evictions_5m")
+    retention: dict[str, list[float]] = {}
+    for r in instant.get("retention_5m", []):
+        slot = m.RETENTION_STATES.index(r["metric"].get("state", "retained"))
+        retention.setdefault(r["metric"].get("tenant_id", ""), [0.0, 0.0])[slot] = float(
+            r["value"][1]
+        )
     names = sorted(
         set(held) | {t for t, n in leases.items() if n} | {t for t, n in preempted.items() if n}
     )
@@ -376,6 +397,7 @@ def live_from_prometheus(
             left.get(t),
             preempted.get(t, 0),
             evicted.get(t, 0),
+            retention.get(t, [0.0, 0.0]),
         )
         for t in names
     ]

@@ -46,9 +46,12 @@ COUNTS = (
     "lease_reused_tokens",
     "preemptions",
 )
-TENANT_COLUMNS = ["tenant_id", "tier", *COUNTS, "block_hours", "cost", "previous_cost", "change"]
-DAILY_COLUMNS = ["day", "tenant_id", "tier", *COUNTS, "block_hours", "cost"]
-LINE_COLUMNS = ["model", "tier", *COUNTS, "block_hours", "cost"]
+# KV block-hours held by requests, then the KV retention between turns, reserved and retained
+HOURS = ("block_hours", "reserved_hours", "retained_hours")
+TENANT_COLUMNS = ["tenant_id", "tier", *COUNTS, *HOURS, "cost", "previous_cost", "change"]
+DAILY_COLUMNS = ["day", "tenant_id", "tier", *COUNTS, *HOURS, "cost"]
+LINE_COLUMNS = ["model", "tier", *COUNTS, *HOURS, "cost"]
+_MICROS = ("block_us", "reserved_us", "retained_us")  # what HOURS are summed from
 # Ledger figure -> (Prometheus counter, its label selector): both count finished requests.
 RECONCILED = {
     "requests": (m.REQUESTS.name, ""),
@@ -148,7 +151,7 @@ def finance_frames(
 
 
 def _zero() -> dict[str, Any]:
-    return dict.fromkeys(COUNTS, 0) | {"block_us": 0, "cost": Decimal(0)}
+    return dict.fromkeys(COUNTS + _MICROS, 0) | {"cost": Decimal(0)}
 
 
 def _add(row: dict[str, Any], c: Charges, cost: Decimal) -> None:
@@ -161,12 +164,14 @@ def _add(row: dict[str, Any], c: Charges, cost: Decimal) -> None:
     row["lease_reused_tokens"] += c.lease_reused
     row["preemptions"] += c.preemptions
     row["block_us"] += c.block_us
+    row["reserved_us"] += c.reserved_us
+    row["retained_us"] += c.retained_us
     row["cost"] += cost
 
 
 def _figures(v: dict[str, Any]) -> dict[str, Any]:
-    hours = Decimal(v["block_us"]) / MICROS_PER_HOUR
-    return {c: v[c] for c in COUNTS} | {"block_hours": hours, "cost": v["cost"]}
+    hours = {h: Decimal(v[us]) / MICROS_PER_HOUR for h, us in zip(HOURS, _MICROS, strict=True)}
+    return {c: v[c] for c in COUNTS} | hours | {"cost": v["cost"]}
 
 
 def _by_tenant(tenants: dict[str, dict[str, Any]], before: dict[str, Decimal]) -> pd.DataFrame:
@@ -268,13 +273,8 @@ def statement_csv(s: Statement) -> bytes:
     }
     rows = [head | {c: str(v) for c, v in line.items()} for line in s.lines.to_dict("records")]
     totals = {c: str(int(s.lines[c].sum())) for c in COUNTS}
-    total_hours = sum(s.lines["block_hours"], Decimal(0))
-    rows.append(
-        head
-        | {"model": "TOTAL", "tier": ""}
-        | totals
-        | {"block_hours": str(total_hours), "cost": str(s.total)}
-    )
+    hours = {h: str(sum(s.lines[h], Decimal(0))) for h in HOURS}
+    rows.append(head | {"model": "TOTAL", "tier": ""} | totals | hours | {"cost": str(s.total)})
     return "".join(csv_chunks(rows, columns)).encode()
 
 

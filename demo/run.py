@@ -406,7 +406,7 @@ def _summary(
     demo: Demo, spec, tiers: TierTable, stats: LoadStats | None, metrics: str, since: float
 ) -> None:
     from exporters.billing import record_cost
-    from exporters.ledger import UsageLedger
+    from exporters.ledger import RETENTION, UsageLedger
 
     tier_of = dict(tenant_names(spec))
     preempted = _preemptions(metrics) if metrics else Counter()
@@ -421,8 +421,8 @@ def _summary(
     cost: Counter = Counter()
     by_tier: Counter[str] = Counter()
     for r in records:
-        cost[r.tenant_id] += record_cost(r, tiers)
-        by_tier[r.tier or "unclassified"] += 1
+        cost[r.tenant_id] += record_cost(r, tiers)  # KV retention records included
+        by_tier[r.tier or "unclassified"] += r.outcome != RETENTION
 
     print("\nkvlease demo summary")
     if stats is None and not metrics and not records:

@@ -71,7 +71,23 @@ class RequestDone(msgspec.Struct, frozen=True, tag=True):
     api_server: int = 0  # the API process that owns the request (vLLM's client index)
 
 
-Event = Preemption | Eviction | LeaseEvent | RequestDone
+class Retention(msgspec.Struct, frozen=True, tag=True):
+    """A leased session's blocks between two turns (engine.retention): the ledger's
+    "KV retention" record, written by the API process that owned the turn's request."""
+
+    at: float  # when the episode closed (next turn, lease end), monotonic clock
+    request_id: str  # the request whose end opened the episode
+    tenant_id: str
+    tier: str
+    session_id: str | None
+    model: str
+    started: float  # monotonic clock
+    reserved_block_seconds: float  # held in a RESERVED segment: lower tiers kept out
+    retained_block_seconds: float  # held in a RETAINED segment: evicted last
+    api_server: int = 0
+
+
+Event = Preemption | Eviction | LeaseEvent | RequestDone | Retention
 
 
 class TenantHolding(msgspec.Struct):
@@ -115,6 +131,8 @@ class Totals(msgspec.Struct):
     lease_reuse_tokens: list[tuple[str, str, int]] = []  # tier, "reused" or "lost"
     # tenant, tier, weighted tokens served and entitled while backlogged (engine.fairness)
     fair_share_tokens: list[tuple[str, str, float, float]] = []
+    # tenant, tier, "reserved" or "retained": block-seconds held between turns
+    retention_block_seconds: list[tuple[str, str, str, float]] = []
 
 
 class FairShareRow(msgspec.Struct):

@@ -32,6 +32,9 @@ _OPTIONAL_TIER_KEYS = frozenset(
     | {"reserve", "reserve_quantile", "reserve_max_seconds", "reserve_min_return"}
 )
 _PRICE_KEYS = ("input_per_1k", "cached_input_per_1k", "output_per_1k", "block_hour")
+# KV retention between turns (optional; a table or a price basis written before them has
+# none): a reserved block costs what a held block does, a retained one nothing, unless set.
+_RETENTION_KEYS = ("reserved_block_hour", "retained_block_hour")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
 
@@ -48,6 +51,12 @@ class Prices:
     cached_input_per_1k: Decimal
     output_per_1k: Decimal
     block_hour: Decimal
+    reserved_block_hour: Decimal | None = None  # None: block_hour
+    retained_block_hour: Decimal = Decimal(0)
+
+    def __post_init__(self) -> None:
+        if self.reserved_block_hour is None:
+            object.__setattr__(self, "reserved_block_hour", self.block_hour)
 
     def basis(self, currency: str) -> str:
         """These prices as the ledger stores them with each record: a later change of
@@ -60,8 +69,12 @@ class Prices:
         """(currency, prices) from `basis()`'s text; ValueError if any price is not one
         `unit_price` accepts (an imported record's basis is input like any other)."""
         doc = json.loads(basis)
-        if not isinstance(doc, dict) or set(doc) != {"currency", *_PRICE_KEYS}:
-            raise ValueError("a price basis names a currency and the four prices")
+        if not isinstance(doc, dict) or not {"currency", *_PRICE_KEYS} <= set(doc) <= {
+            "currency",
+            *_PRICE_KEYS,
+            *_RETENTION_KEYS,
+        }:
+            raise ValueError("a price basis names a currency and the four (or six) prices")
         currency = doc.pop("currency")
         if not isinstance(currency, str) or not currency.isalpha() or len(currency) != 3:
             raise ValueError(f"currency must be a three-letter code, got {currency!r}")
@@ -327,10 +340,12 @@ def _parse_reservation(body: Mapping[str, Any], where: str, fail) -> ReservePoli
 def _parse_prices(body: Any, where: str, fail) -> Prices:
     if not isinstance(body, Mapping):
         raise fail(f"{where}: 'prices' must be a table")
-    _reject_unknown(body, frozenset(_PRICE_KEYS), f"{where} prices", fail)
+    _reject_unknown(body, frozenset(_PRICE_KEYS + _RETENTION_KEYS), f"{where} prices", fail)
     values: dict[str, Decimal] = {}
-    for key in _PRICE_KEYS:
+    for key in _PRICE_KEYS + _RETENTION_KEYS:
         if key not in body:
+            if key in _RETENTION_KEYS:
+                continue
             raise fail(f"{where}: missing price '{key}'")
         try:
             values[key] = unit_price(body[key])

@@ -90,6 +90,7 @@ from engine.policy import (  # noqa: E402
     within_class_key,
 )
 from engine.reservations import ReturnModel  # noqa: E402
+from engine.retention import RetentionMeter  # noqa: E402
 from engine.settings import SchedulerSettings, SettingsError  # noqa: E402
 from engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
 
@@ -202,6 +203,8 @@ class TenantSchedulingMixin:
       tenant label and tier (engine.reservations). `_windows`: a heap of reservation
       ends (until, seq, session); an entry whose holder has since renewed its window
       (`reserved_until` differs) is skipped. O(log n) per turn.
+    - `retention`: the open time-between-turns of each leased session, metered into
+      reserved and retained block-seconds (engine.retention); O(open episodes) a sample.
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`).
     Per step the mixin adds O(1) work plus one wrapper call per allocation; the admission
@@ -224,6 +227,7 @@ class TenantSchedulingMixin:
             for name, tier in tiers.items()
         }
         self._windows: list[tuple[float, int, Hashable]] = []  # reservation ends, a heap
+        self.retention = RetentionMeter(self.vllm_config.model_config.served_model_name)
         self.events = EventBuffer(self.settings.event_capacity)
         self.accounting = TenantAccounting()
         self._label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
@@ -463,6 +467,8 @@ class TenantSchedulingMixin:
             )
         holder.in_flight += 1
         tenancy.holder = holder
+        if holder.in_flight == 1:
+            self._close_retention(holder)  # its next turn: the blocks are in use again
         tenancy.account = self._shares[tier.name].account(
             tenant_id, tier.tenant_weight(args.get("weight")), request.request_id
         )
@@ -496,11 +502,11 @@ class TenantSchedulingMixin:
     # -- scheduling ------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
+        self._expire_leases()  # first: windows and leases end at their own times
         if self.clock() - self._last_sample >= self.settings.sample_seconds:
             # Close the interval before this step allocates: after an idle spell the
             # holdings now are what the idle engine held, not what this step will take.
             self.sample_accounting()
-        self._expire_leases()
         self._keep_running_list()
         self._choose_allocator()
         held = self._make_room_for_waiting()
@@ -813,7 +819,7 @@ class TenantSchedulingMixin:
         if t is not None:
             self._integrate_request(request)
             if t.holder is not None and t.holder.in_flight == 1 and t.holder.protected:
-                self._end_turn(t)  # before its blocks are freed: they go where it decides
+                self._end_turn(t, request)  # before its blocks are freed: they go where it decides
         result = super()._free_request(request, delay_free_blocks=delay_free_blocks)
         if t is None:
             return result
@@ -863,6 +869,7 @@ class TenantSchedulingMixin:
         finally:
             self._preempt_reason = "kv_pressure"
         if ok:  # no free block holds a prefix any more: nobody owns cached blocks
+            self.retention.integrate_all(self.clock(), self._label)
             self._free_queue = self._install_free_queue()
             for session, holder in list(self._holders.items()):
                 holder.cached = holder.leased = holder.reserved = 0
@@ -871,7 +878,7 @@ class TenantSchedulingMixin:
 
     # -- leases and evictions --------------------------------------------------
 
-    def _end_turn(self, t: Tenancy) -> None:
+    def _end_turn(self, t: Tenancy, request: Request) -> None:
         """The session's last request in flight ends: how long are its blocks reserved?
         (engine.reservations; the window never outlives the lease)."""
         holder, tier = t.holder, self.settings.tiers[t.tier]
@@ -883,6 +890,7 @@ class TenantSchedulingMixin:
         window = self.returns.window(t.session, tenant, tier.name, tier.lease_seconds, policy)
         holder.reserving = window > 0
         holder.reserved_until = now + window if window < tier.lease_seconds else math.inf
+        self.retention.open(holder, now, request.request_id, request.client_index)
         if holder.reserving and holder.reserved_until < math.inf:
             heapq.heappush(self._windows, (holder.reserved_until, next(self._seq), t.session))
 
@@ -892,15 +900,25 @@ class TenantSchedulingMixin:
             until, _, session = heapq.heappop(self._windows)
             holder = self._holders.get(session)
             if holder is not None and holder.reserving and holder.reserved_until == until:
+                self.retention.integrate(holder, until, self._label(holder.tenant_id))
                 self._free_queue.retain(holder)  # protected by eviction order from now on
         for change in self.leases.expire():
             self.returns.forget(change.session)
             holder = self._holders.get(change.session)
             if holder is None:
                 continue
+            self._close_retention(holder, change.expires_at)
             self._free_queue.release(holder)
             self._lease_event(holder, "expire", change.expires_at, change.at)
             self._forget_if_idle(change.session, holder)
+
+    def _close_retention(self, holder: Holder, at: float | None = None) -> None:
+        """End the holder's time between turns (at `at`, else now) and report it."""
+        event = self.retention.close(
+            holder, self.clock() if at is None else at, self._label(holder.tenant_id)
+        )
+        if event is not None:
+            self.events.push(event)
 
     def _lease_event(
         self,
@@ -1004,6 +1022,7 @@ class TenantSchedulingMixin:
             if first_seen:
                 tenant = holder.tenant_id if holder is not None else None
                 tenants.setdefault(self._label(tenant), TenantHolding()).running += first_seen
+        self.retention.integrate_all(now, self._label)
         for holder in self._holders.values():
             if holder.cached or holder.leased:
                 held = tenants.setdefault(self._label(holder.tenant_id), TenantHolding())
@@ -1057,6 +1076,7 @@ class TenantSchedulingMixin:
                 offloaded_blocks=list(acc.offloaded_blocks.items()),
                 lease_reuse_tokens=[(*k, n) for k, n in acc.lease_reuse_tokens.items()],
                 fair_share_tokens=[(*k, *v) for k, v in acc.fair_share_tokens.items()],
+                retention_block_seconds=[(*k, v) for k, v in self.retention.totals.items()],
             ),
             fair_share=fair,
         )

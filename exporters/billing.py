@@ -2,8 +2,11 @@
 
 One FOCUS row per (tenant, model, charge period). Costs are exact decimals:
     (input - cached input)/1000 x input price + cached input/1000 x cached price
-    + output/1000 x output price + KV block-hours x block-hour price,
-priced by the tier each record was served in, and summed from the ledger's rollups
+    + output/1000 x output price + KV block-hours x block-hour price
+    + reserved block-hours x reserved price + retained block-hours x retained price,
+priced by the tier each record was served in (the last two are the "KV retention" SKU:
+a leased session's blocks between its turns, from the ledger's retention records; its
+rows appear only where there was retention), and summed from the ledger's rollups
 (`exporters.rollups`). Only integers are summed (tokens, KV block-microseconds) and
 each row divides once, so an export is the same byte for byte whether it was summed
 from rollups or from every record.
@@ -165,15 +168,27 @@ def prices_of(usage: Rollup, tiers: TierTable) -> Prices | None:
     return tiers[usage.tier].prices
 
 
-# The charges of one request, as FOCUS SKUs: (SkuId, PricingUnit, ConsumedUnit,
-# description). Each is priced per PricingUnit by one of the tier's four prices.
+# The charges, as FOCUS SKUs: (SkuId, PricingUnit, ConsumedUnit, description). Each is
+# priced per PricingUnit by one of the tier's six prices; KV retention has two prices
+# (reserved, retained), hence two SkuPriceIds of one SkuId.
 SKUS = (
     ("input-tokens", "1K Tokens", "Tokens", "input tokens (not served from the prefix cache)"),
     ("cached-input-tokens", "1K Tokens", "Tokens", "input tokens served from the prefix cache"),
     ("output-tokens", "1K Tokens", "Tokens", "output tokens"),
     ("kv-block-hours", "Hours", "Block-Hours", "KV-cache block-hours held"),
+    ("kv-retention", "Hours", "Block-Hours", "KV retention between turns, reserved"),
+    ("kv-retention", "Hours", "Block-Hours", "KV retention between turns, retained"),
 )
-SKU_METERS = ("Input Tokens", "Cached Input Tokens", "Output Tokens", "KV Cache Block-Hours")
+SKU_METERS = (
+    "Input Tokens",
+    "Cached Input Tokens",
+    "Output Tokens",
+    "KV Cache Block-Hours",
+    "KV Retention Block-Hours",
+    "KV Retention Block-Hours",
+)
+PRICE_STATES = ("", "", "", "", "reserved", "retained")  # tells the retention prices apart
+ALWAYS = 4  # the request SKUs' rows are always written; retention rows where it is not 0
 # FOCUS columns that do not apply to per-request inference billing: null on every row.
 NOT_APPLICABLE = (
     "AvailabilityZone",
@@ -208,16 +223,25 @@ def per_block_us(block_hour: Decimal) -> Decimal:
         return (block_hour / MICROS_PER_HOUR).quantize(Decimal("1e-30"), ROUND_HALF_EVEN)
 
 
-def unit_prices(usage: Rollup, tiers: TierTable) -> tuple[Decimal, Decimal, Decimal, Decimal]:
-    """The four prices of `SKUS` for `usage` (zero for unclassified traffic: no price)."""
+def unit_prices(usage: Rollup, tiers: TierTable) -> tuple[Decimal, ...]:
+    """The six prices of `SKUS` for `usage` (zero for unclassified traffic: no price)."""
     p = prices_of(usage, tiers)
     if p is None:
-        return (ZERO,) * 4
-    return (p.input_per_1k, p.cached_input_per_1k, p.output_per_1k, p.block_hour)
+        return (ZERO,) * len(SKUS)
+    assert p.reserved_block_hour is not None
+    return (
+        p.input_per_1k,
+        p.cached_input_per_1k,
+        p.output_per_1k,
+        p.block_hour,
+        p.reserved_block_hour,
+        p.retained_block_hour,
+    )
 
 
 class Charges:
-    """The usage of one (tenant, model, charge period, tier, unit prices): four FOCUS rows.
+    """The usage of one (tenant, model, charge period, tier, unit prices): four FOCUS rows,
+    six with KV retention.
 
     Invariant: only integers are summed (tokens, KV block microseconds); every decimal is
     derived from the sums, once. So the rows, and the cost, are the same however the
@@ -235,6 +259,8 @@ class Charges:
         "prices",
         "recomputed",
         "requests",
+        "reserved_us",
+        "retained_us",
     )
 
     def __init__(self, prices: tuple[Decimal, ...]) -> None:
@@ -242,6 +268,7 @@ class Charges:
         self.input = self.cached = self.output = self.recomputed = 0
         self.lease_covered = self.lease_reused = 0
         self.preemptions = self.requests = self.block_us = 0
+        self.reserved_us = self.retained_us = 0
 
     def add(self, r: Rollup) -> Charges:
         self.input += r.input_tokens
@@ -251,6 +278,8 @@ class Charges:
         self.lease_covered += r.lease_covered_tokens
         self.lease_reused += r.lease_reused_tokens
         self.block_us += r.kv_block_us
+        self.reserved_us += r.kv_reserved_us
+        self.retained_us += r.kv_retained_us
         self.preemptions += r.preemptions
         self.requests += r.requests
         return self
@@ -268,25 +297,32 @@ class Charges:
             (cached, cached / THOUSAND),
             (output, output / THOUSAND),
             (hours, hours),
+            *((h, h) for h in (Decimal(us) / MICROS_PER_HOUR for us in self._retention_us)),
         )
+
+    @property
+    def _retention_us(self) -> tuple[int, int]:
+        return (self.reserved_us, self.retained_us)
 
     def costs(self) -> tuple[Decimal, ...]:
         """Per SKU, its BilledCost, exact and additive: a sum of tokens times a price per
         1k, and whole block-microseconds times the block-hour price per microsecond
         (rounded once, to 30 places, `per_block_us`). So the cost of summed usage is the
         sum of the costs, to the last digit, at every granularity."""
-        uncached, cached, output, block_price = self.prices
+        uncached, cached, output, block_price, reserved, retained = self.prices
         with localcontext(EXACT):
             return (
                 Decimal(self.input - self.cached) * uncached / THOUSAND,
                 Decimal(self.cached) * cached / THOUSAND,
                 Decimal(self.output) * output / THOUSAND,
                 Decimal(self.block_us) * per_block_us(block_price),
+                Decimal(self.reserved_us) * per_block_us(reserved),
+                Decimal(self.retained_us) * per_block_us(retained),
             )
 
     @property
     def cost(self) -> Decimal:
-        """The sum of the four rows' BilledCost, exactly."""
+        """The sum of the rows' BilledCost, exactly."""
         with localcontext(EXACT):
             return sum(self.costs(), ZERO)
 
@@ -354,8 +390,8 @@ def focus_rows(
     window: tuple[float, float] | None = None,
 ) -> Iterator[dict[str, str]]:
     """FOCUS charge rows as dicts: per `charge_groups` group and per SKU (input, cached
-    input, output tokens, KV block-hours), at each unit price in force when the records
-    were written."""
+    input, output tokens, KV block-hours, KV retention where there was some), at each
+    unit price in force when the records were written."""
     context = _Context(granularity, tiers, inert=False)
     for group in charge_groups(usage, granularity, tiers, window):
         for cells in context.cells(group):
@@ -443,6 +479,8 @@ class _Context:
         row_key = "\x1f".join((group.tenant_id, model, self.granularity, start, end))
         rows = zip(g.quantities(), g.costs(), strict=True)  # each computed once a group
         for i, ((consumed, pricing), cost) in enumerate(rows):
+            if i >= ALWAYS and not consumed:
+                continue
             yield self._row(shared, row_key, model, tier, g, i, consumed, pricing, cost)
 
     def _row(
@@ -453,7 +491,8 @@ class _Context:
         cost = _decimal(billed)
         unit_price = _decimal(price)
         primary = i == 0  # request-level figures ride on the input row; 0 elsewhere
-        sku_price = f"{sku}:{tier}:{unit_price}:{self.currency}"
+        state = f":{PRICE_STATES[i]}" if PRICE_STATES[i] else ""
+        sku_price = f"{sku}{state}:{tier}:{unit_price}:{self.currency}"
         row = list(shared)
         for name, value in (
             ("BilledCost", cost),

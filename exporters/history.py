@@ -25,6 +25,7 @@ from typing import Any
 
 from engine.accounting import LEASE_OUTCOMES
 from engine.events import EngineState, Eviction, Preemption
+from engine.retention import STATES as RETENTION_STATES
 from exporters.ranks import merge_states
 
 Label = Callable[[str | None], str]
@@ -35,6 +36,14 @@ def _lease_reuse(state: EngineState) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for tier, outcome, n in state.totals.lease_reuse_tokens:
         out.setdefault(tier, [0, 0])[LEASE_OUTCOMES.index(outcome)] = n
+    return out
+
+
+def _retention(state: EngineState) -> dict[str, list[float]]:
+    """tenant -> [reserved, retained] block-seconds held between turns, since start."""
+    out: dict[str, list[float]] = {}
+    for tenant, _tier, state_name, seconds in state.totals.retention_block_seconds:
+        out.setdefault(tenant, [0.0, 0.0])[RETENTION_STATES.index(state_name)] += seconds
     return out
 
 
@@ -81,6 +90,7 @@ class History:
                     },
                     "lease_reuse": _lease_reuse(state),
                     "fair_share": _fair_share(state),
+                    "retention": _retention(state),
                     "engines": {
                         str(rank): [e.pool_blocks, e.free_blocks] for rank, e in engines.items()
                     },

@@ -1,5 +1,10 @@
 """The usage ledger: one durable record per finished request, for billing.
 
+Beside them, one record per *retention episode*: a leased session's cached blocks
+between two of its turns (engine.retention), outcome `retention`, keyed
+`<request id>:retention` by the request whose end opened it, with no tokens and its
+reserved and retained block-seconds; billed as the "KV retention" SKU.
+
 SQLAlchemy Core over SQLite (WAL; the embedded default) or PostgreSQL (one
 ledger for many replicas: the same code, a `postgresql://` URL). The request
 id is the primary key and the idempotency key: writing a record twice, or
@@ -65,6 +70,16 @@ class UsageRecord:
     partial: bool = False  # delivered before every half arrived: figures may be low
     price_basis: str | None = None  # the tier's prices when written (engine.tenancy.Prices)
     lease_covered_tokens: int = 0  # prefix tokens its session's running lease was to keep
+    kv_reserved_block_seconds: float = 0.0  # retention records: blocks kept from lower tiers
+    kv_retained_block_seconds: float = 0.0  # retention records: blocks evicted last
+
+
+RETENTION = "retention"  # the outcome of a retention record (every other record: a request)
+
+
+def retention_key(request_id: str) -> str:
+    """The retention record's idempotency key, from the request whose end opened it."""
+    return f"{request_id}:{RETENTION}"
 
 
 metadata = MetaData()
@@ -88,6 +103,8 @@ records = Table(
     Column("partial", Boolean, nullable=False, default=False),
     Column("price_basis", Text),
     Column("lease_covered_tokens", Integer, nullable=False, default=0),
+    Column("kv_reserved_block_seconds", Float, nullable=False, default=0.0),
+    Column("kv_retained_block_seconds", Float, nullable=False, default=0.0),
 )
 # Version -> statements, or a function of the dialect's name giving them. Append, never
 # edit: a database at version N runs N+1.. only.
@@ -108,8 +125,8 @@ MIGRATIONS: dict[int, Sequence[str] | Callable[[str], Sequence[str]]] = {
     3: ("ALTER TABLE usage_records ADD COLUMN price_basis TEXT",),
     4: ("ALTER TABLE usage_records ADD COLUMN lease_covered_tokens INTEGER NOT NULL DEFAULT 0",),
     5: lambda dialect: (
-        *rollups.create(dialect),
-        rollups.insert_rollups(dialect, "usage_records"),  # an older ledger's own sums
+        *rollups.create(dialect, rollups.SUMS_V5),
+        rollups.insert_rollups(dialect, "usage_records", sums=rollups.SUMS_V5),  # its own sums
     ),
     6: (
         # Requests still streaming, refreshed by their server every few seconds
@@ -120,6 +137,13 @@ MIGRATIONS: dict[int, Sequence[str] | Callable[[str], Sequence[str]]] = {
         " started_at FLOAT NOT NULL, updated_at FLOAT NOT NULL,"
         " output_tokens INTEGER NOT NULL, price_basis TEXT, owner VARCHAR(64) NOT NULL)",
         "CREATE INDEX IF NOT EXISTS usage_open_updated ON usage_open (updated_at)",
+    ),
+    7: (
+        # KV retention (issue 30): a lease's blocks between turns, reserved or retained.
+        "ALTER TABLE usage_records ADD COLUMN kv_reserved_block_seconds FLOAT NOT NULL DEFAULT 0",
+        "ALTER TABLE usage_records ADD COLUMN kv_retained_block_seconds FLOAT NOT NULL DEFAULT 0",
+        "ALTER TABLE usage_rollups ADD COLUMN kv_reserved_us BIGINT NOT NULL DEFAULT 0",
+        "ALTER TABLE usage_rollups ADD COLUMN kv_retained_us BIGINT NOT NULL DEFAULT 0",
     ),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
@@ -178,7 +202,7 @@ def rollup_of(r: UsageRecord) -> Rollup:
         hour_of(r.ended_at),
         r.tier,
         r.price_basis,
-        1,
+        0 if r.outcome == RETENTION else 1,
         r.input_tokens,
         r.cached_input_tokens,
         r.output_tokens,
@@ -187,6 +211,8 @@ def rollup_of(r: UsageRecord) -> Rollup:
         r.lease_covered_tokens,
         min(r.lease_covered_tokens, r.cached_input_tokens),
         block_us(r.kv_block_seconds),
+        block_us(r.kv_reserved_block_seconds),
+        block_us(r.kv_retained_block_seconds),
     )
 
 

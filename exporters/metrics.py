@@ -32,6 +32,7 @@ from engine.accounting import LEASE_OUTCOMES as LEASE_OUTCOMES  # LEASE_REUSE ou
 from engine.budgets import ALERT_RATIO
 from engine.events import EngineState, RequestDone, TenantHolding
 from engine.labels import UNCLASSIFIED, TenantLabels
+from engine.retention import STATES as RETENTION_STATES
 from engine.tenancy import TierTable
 from exporters.join import finish_outcome
 from exporters.ranks import merge_states
@@ -154,6 +155,14 @@ BLOCK_SECONDS = Family(
     "KV block-seconds held by the tenant (running plus lease-protected cached blocks).",
     ("tenant_id",),
 )
+RETENTION_BLOCK_SECONDS = Family(
+    "vllm_tenant_kv_retention_block_seconds_total",
+    "counter",
+    "KV block-seconds a tenant's leased sessions held between their turns (the KV retention "
+    f"SKU), by tier and state ({' or '.join(RETENTION_STATES)}): reserved blocks keep lower "
+    "tiers out, retained ones are only evicted last.",
+    ("tenant_id", "tier", "state"),
+)
 TOKENS = Family(
     "vllm_tenant_tokens_total",
     "counter",
@@ -247,6 +256,7 @@ FAMILIES = (
     FAIR_SERVED,
     FAIR_ENTITLED,
     BLOCK_SECONDS,
+    RETENTION_BLOCK_SECONDS,
     TOKENS,
     REQUESTS,
     TTFT,
@@ -407,6 +417,8 @@ class TenantMetrics:
             fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
         for tenant, seconds in totals.block_seconds:
             fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
+        for tenant, tier, state, seconds in sorted(totals.retention_block_seconds):
+            fam[RETENTION_BLOCK_SECONDS.name].add_metric([tenant, tier, state], seconds)
         for tier, outcome, n in sorted(totals.lease_reuse_tokens):
             fam[LEASE_REUSE.name].add_metric([tier, outcome], n)
         for tenant, tier, served, entitled in sorted(totals.fair_share_tokens):

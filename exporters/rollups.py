@@ -58,6 +58,8 @@ class Rollup:
     lease_covered_tokens: int
     lease_reused_tokens: int
     kv_block_us: int
+    kv_reserved_us: int = 0  # KV retention between turns (retention records), reserved
+    kv_retained_us: int = 0  # ... and retained
 
     @property
     def what(self) -> str:
@@ -66,7 +68,7 @@ class Rollup:
         return f"the records of tenant {self.tenant_id!r} from {at}"
 
 
-SUMS = (
+SUMS_V5 = (  # the sums schema version 5 created (its migration must stay as it ran)
     "requests",
     "input_tokens",
     "cached_input_tokens",
@@ -77,10 +79,11 @@ SUMS = (
     "lease_reused_tokens",
     "kv_block_us",
 )
+SUMS = (*SUMS_V5, "kv_reserved_us", "kv_retained_us")  # version 7 added KV retention
 KEY = ("hour", "tenant_id", "tier", "model", "price_basis")
 
 
-def create(dialect: str) -> tuple[str, ...]:
+def create(dialect: str, sums: tuple[str, ...] = SUMS) -> tuple[str, ...]:
     """The rollups' tables. The key starts with the hour, so a window is one range of the
     key; on SQLite the table is clustered by it (WITHOUT ROWID): a month's rollups are
     read in one sequential pass, half the time of an index plus row lookups. Queries
@@ -90,7 +93,7 @@ def create(dialect: str) -> tuple[str, ...]:
         "CREATE TABLE IF NOT EXISTS usage_rollups ("
         " hour BIGINT NOT NULL, tenant_id VARCHAR(128) NOT NULL, tier VARCHAR(32) NOT NULL,"
         " model VARCHAR(200) NOT NULL, price_basis TEXT NOT NULL, "
-        + ", ".join(f"{name} BIGINT NOT NULL" for name in SUMS)
+        + ", ".join(f"{name} BIGINT NOT NULL" for name in sums)
         + f", PRIMARY KEY ({', '.join(KEY)})){clustered}",
         "CREATE INDEX IF NOT EXISTS usage_rollups_tenant ON usage_rollups (tenant_id, hour)",
         # The prune horizon: records ended before it are gone, their rollups kept.
@@ -98,44 +101,51 @@ def create(dialect: str) -> tuple[str, ...]:
     )
 
 
-# Per dialect: (hour of ended_at, block microseconds, the smaller of two integers).
+# Per dialect: (hour of ended_at, block microseconds of a column, the smaller of two
+# integers).
 _EXPRESSIONS = {
     "sqlite": (
         "CAST(ended_at / 3600 AS INTEGER) * 3600",  # a cast truncates: floor, as times are > 0
-        "CAST(kv_block_seconds * 1000000 + 0.5 AS INTEGER)",
+        "CAST({} * 1000000 + 0.5 AS INTEGER)",
         "min",
     ),
     "postgresql": (
         "CAST(floor(ended_at / 3600) AS BIGINT) * 3600",
-        "CAST(floor(kv_block_seconds * 1000000 + 0.5) AS BIGINT)",
+        "CAST(floor({} * 1000000 + 0.5) AS BIGINT)",
         "least",
     ),
 }
 
 
-def insert_rollups(dialect: str, source: str, where: str = "true") -> str:
+def insert_rollups(
+    dialect: str, source: str, where: str = "true", sums: tuple[str, ...] = SUMS
+) -> str:
     """Add the sums of `source`'s records (a table or subquery) to the rollups. The one
-    statement that both maintains rollups on write and rebuilds them."""
+    statement that both maintains rollups on write and rebuilds them. A retention record
+    is not a request: it adds to the retention sums only."""
     hour, micros, smaller = _EXPRESSIONS[dialect]
-    sums = (
-        "count(*)",
-        "sum(input_tokens)",
-        "sum(cached_input_tokens)",
-        "sum(output_tokens)",
-        "sum(recomputed_tokens)",
-        "sum(preemptions)",
-        "sum(lease_covered_tokens)",
-        f"sum({smaller}(lease_covered_tokens, cached_input_tokens))",
-        f"sum({micros})",
-    )
+    expression = {
+        "requests": "sum(CASE WHEN outcome = 'retention' THEN 0 ELSE 1 END)",
+        "input_tokens": "sum(input_tokens)",
+        "cached_input_tokens": "sum(cached_input_tokens)",
+        "output_tokens": "sum(output_tokens)",
+        "recomputed_tokens": "sum(recomputed_tokens)",
+        "preemptions": "sum(preemptions)",
+        "lease_covered_tokens": "sum(lease_covered_tokens)",
+        "lease_reused_tokens": f"sum({smaller}(lease_covered_tokens, cached_input_tokens))",
+        "kv_block_us": f"sum({micros.format('kv_block_seconds')})",
+        "kv_reserved_us": f"sum({micros.format('kv_reserved_block_seconds')})",
+        "kv_retained_us": f"sum({micros.format('kv_retained_block_seconds')})",
+    }
     return (
-        f"INSERT INTO usage_rollups ({', '.join(KEY + SUMS)}) "
+        f"INSERT INTO usage_rollups ({', '.join(KEY + sums)}) "
         f"SELECT {hour} AS bucket, tenant_id, coalesce(tier, ''), model, "
-        f"coalesce(price_basis, ''), {', '.join(sums)} FROM {source} AS r WHERE {where} "
+        f"coalesce(price_basis, ''), {', '.join(expression[name] for name in sums)} "
+        f"FROM {source} AS r WHERE {where} "
         "GROUP BY bucket, tenant_id, coalesce(tier, ''), model, coalesce(price_basis, '') "
         "ORDER BY 1, 2, 3, 4, 5 "  # one lock order for concurrent writers (PostgreSQL)
         f"ON CONFLICT ({', '.join(KEY)}) DO UPDATE SET "
-        + ", ".join(f"{name} = usage_rollups.{name} + excluded.{name}" for name in SUMS)
+        + ", ".join(f"{name} = usage_rollups.{name} + excluded.{name}" for name in sums)
     )
 
 

@@ -71,6 +71,7 @@ class Telemetry:
                 ledger = UsageLedger(os.environ[DB_ENV])
                 self.writer = LedgerWriter(ledger, tiers, metrics=metrics.process)
                 self.join.consumers.append(self.writer)
+                self.view.add_listener(self.writer.engine_event)  # retention records
                 in_flight = lambda: list(self.join.in_flight.items())  # noqa: E731
                 self.open_records = OpenRecords(
                     ledger, tiers, in_flight, self.writer.journal

@@ -22,14 +22,22 @@ from datetime import datetime
 from engine.tenancy import Prices
 from exporters.billing import FORMULA_STARTS, RAW_COLUMNS
 from exporters.join import OUTCOMES
-from exporters.ledger import UsageRecord
+from exporters.ledger import RETENTION, UsageRecord
 
 LIMITS = {"request_id": 200, "tenant_id": 128, "tier": 32, "session_id": 128, "model": 200}
 COUNTS = tuple(f.name for f in fields(UsageRecord) if f.type == "int")  # token figures...
 TRUE, FALSE = {"true", "1", "yes"}, {"false", "0", "no", ""}
 # Columns an earlier kvlease's raw export did not write, read with the defaults the
 # ledger's migrations gave its old records.
-OPTIONAL_COLUMNS = {"partial": "false", "price_basis": "", "lease_covered_tokens": "0"}
+OPTIONAL_COLUMNS = {
+    "partial": "false",
+    "price_basis": "",
+    "lease_covered_tokens": "0",
+    "kv_reserved_block_seconds": "0",
+    "kv_retained_block_seconds": "0",
+}
+RECORD_OUTCOMES = (*OUTCOMES, RETENTION)
+BLOCK_SECONDS = ("kv_block_seconds", "kv_reserved_block_seconds", "kv_retained_block_seconds")
 # Bounds that keep every bill computable. A count fits the ledger's INTEGER columns
 # (PostgreSQL's are 32-bit), so a window's sum of them stays within 64 bits for 4 billion
 # records; block-seconds stay below 1e9 (31 years of one block), so the rollups' integer
@@ -133,8 +141,8 @@ def parse_row(row: dict[str, str | None]) -> UsageRecord:
     started, ended = _time("started_at", cells["started_at"]), _time("ended_at", cells["ended_at"])
     if ended < started:
         raise BadRow("ended_at is before started_at")
-    if cells["outcome"] not in OUTCOMES:
-        raise BadRow(f"outcome {cells['outcome']!r} is not one of {', '.join(OUTCOMES)}")
+    if cells["outcome"] not in RECORD_OUTCOMES:
+        raise BadRow(f"outcome {cells['outcome']!r} is not one of {', '.join(RECORD_OUTCOMES)}")
     return UsageRecord(
         request_id=cells["request_id"],
         tenant_id=cells["tenant_id"],
@@ -143,11 +151,11 @@ def parse_row(row: dict[str, str | None]) -> UsageRecord:
         model=cells["model"],
         started_at=started,
         ended_at=ended,
-        kv_block_seconds=_block_seconds(cells["kv_block_seconds"]),
         outcome=cells["outcome"],
         partial=_flag(cells["partial"]),
         price_basis=_basis(cells["price_basis"]),
         **counts,
+        **{name: _block_seconds(name, cells[name]) for name in BLOCK_SECONDS},
     )
 
 
@@ -185,13 +193,13 @@ def _iso_time(name: str, cell: str) -> float:
     return moment.timestamp()
 
 
-def _block_seconds(cell: str) -> float:
+def _block_seconds(name: str, cell: str) -> float:
     try:
         value = float(cell)
     except ValueError:
-        raise BadRow(f"kv_block_seconds is not a number: {cell[:40]!r}") from None
+        raise BadRow(f"{name} is not a number: {cell[:40]!r}") from None
     if not 0 <= value <= MAX_BLOCK_SECONDS:  # NaN fails this too
-        raise BadRow(f"kv_block_seconds must be a number from 0 to {MAX_BLOCK_SECONDS:.0e}")
+        raise BadRow(f"{name} must be a number from 0 to {MAX_BLOCK_SECONDS:.0e}")
     return value
 
 

@@ -1,5 +1,8 @@
 """The API process's ledger writer: one usage record per finished request, group-committed.
 
+It also writes the retention records (a leased session's blocks between two turns) the
+engine reports for requests this process owned (`engine.events.Retention`).
+
 A `RequestJoin` consumer turns each finished request into a `UsageRecord`
 and queues it; a writer thread commits queues in batches (group commit: one
 transaction for everything that arrived together, up to 4,096 records), so the
@@ -25,11 +28,12 @@ from pathlib import Path
 
 from sqlalchemy.exc import DataError, IntegrityError
 
+from engine.events import Retention
 from engine.labels import UNCLASSIFIED
 from engine.paths import kvlease_home, private_file
 from engine.tenancy import TierTable
-from exporters.join import FinishedRequest
-from exporters.ledger import OpenRecord, UsageLedger, UsageRecord
+from exporters.join import FinishedRequest, kvlease_id
+from exporters.ledger import RETENTION, OpenRecord, UsageLedger, UsageRecord, retention_key
 from exporters.metrics import ProcessMetrics
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
@@ -69,6 +73,33 @@ def to_record(p: FinishedRequest, tiers: TierTable | None = None) -> UsageRecord
     )
 
 
+def retention_record(e: Retention, tiers: TierTable | None = None) -> UsageRecord:
+    """The ledger's record of a session's time between turns: no tokens, its reserved and
+    retained block-seconds, keyed by the request whose end opened it, priced at its tier's
+    prices now."""
+    to_wall = time.time() - time.monotonic()  # the engine stamps the monotonic clock
+    priced = tiers is not None and e.tier in tiers
+    return UsageRecord(
+        request_id=retention_key(kvlease_id(e.request_id) or e.request_id),
+        tenant_id=e.tenant_id,
+        tier=e.tier,
+        session_id=e.session_id,
+        model=e.model,
+        started_at=e.started + to_wall,
+        ended_at=max(e.at, e.started) + to_wall,
+        input_tokens=0,
+        cached_input_tokens=0,
+        output_tokens=0,
+        recomputed_tokens=0,
+        preemptions=0,
+        kv_block_seconds=0.0,
+        outcome=RETENTION,
+        price_basis=tiers[e.tier].prices.basis(tiers.currency) if priced else None,
+        kv_reserved_block_seconds=e.reserved_block_seconds,
+        kv_retained_block_seconds=e.retained_block_seconds,
+    )
+
+
 class LedgerWriter:
     """Queue in, batches out. Records are never dropped on a failed commit: the batch is
     retried (writes are idempotent) and `write_errors` counts the failures. A record the
@@ -99,6 +130,11 @@ class LedgerWriter:
 
     def __call__(self, finished: FinishedRequest) -> None:
         self._queue.put(to_record(finished, self.tiers))
+
+    def engine_event(self, event: object) -> None:
+        """An engine listener (exporters.view): queue the retention records."""
+        if isinstance(event, Retention):
+            self._queue.put(retention_record(event, self.tiers))
 
     def expect(self, request_id: str) -> asyncio.Future:
         """A future resolved when `request_id`'s record commits (call on the event loop)."""
@@ -166,7 +202,8 @@ class LedgerWriter:
             for record in batch:
                 waiter = self._waiters.pop(record.request_id, None)
                 if waiter is None:
-                    self._committed_early.add(record.request_id)
+                    if record.outcome != RETENTION:  # no response waits for these
+                        self._committed_early.add(record.request_id)
                     continue
                 loop, future = waiter
                 loop.call_soon_threadsafe(_resolve, future)

@@ -240,8 +240,10 @@ def kv_cache_panels() -> list[Panel]:
 def _cost_expr(tiers: TierTable) -> str:
     """Estimated cost by tenant over the dashboard's range, priced by the tenant's tier:
     (input - cached)/1k x input + cached/1k x cached + output/1k x output + block-hours x
-    block-hour, as the billing export computes it. Prometheus extrapolates counters at
-    the range's edges, so this estimates; the ledger is exact."""
+    block-hour + KV retention block-hours x their reserved and retained prices, as the
+    billing export computes it. The block-seconds counter includes the retention (leased
+    blocks between turns), so the retention terms price it at the difference. Prometheus
+    extrapolates counters at the range's edges, so this estimates; the ledger is exact."""
 
     def increase(kind: str) -> str:
         return f'increase({m.TOKENS.name}{{{TENANT}, kind="{kind}"}}[$__range])'
@@ -256,6 +258,16 @@ def _cost_expr(tiers: TierTable) -> str:
             (
                 f"increase({m.BLOCK_SECONDS.name}{{{TENANT}}}[$__range])",
                 p.block_hour / 3600,
+            ),
+            *(
+                (
+                    f'increase({m.RETENTION_BLOCK_SECONDS.name}{{{TENANT}, state="{state}"}}'
+                    "[$__range])",
+                    (price - p.block_hour) / 3600,
+                )
+                for state, price in zip(
+                    m.RETENTION_STATES, (p.reserved_block_hour, p.retained_block_hour), strict=True
+                )
             ),
         ]
         priced = " or ".join(f"{e} * {_num(price)}" for e, price in terms if price)
@@ -292,10 +304,22 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
         Panel(
             "KV block-hours by tenant",
             "Block-hours held over the dashboard's time range (running plus leased cached "
-            "blocks), the quantity the block-hour price applies to.",
+            "blocks); the block-hour price applies to all but the KV retention between turns.",
             _q(
                 _sum("increase", m.BLOCK_SECONDS.name, "tenant_id", window=RANGE) + " / 3600",
                 "{{tenant_id}}",
+            ),
+            kind="bargauge",
+        ),
+        Panel(
+            "KV retention block-hours by tenant",
+            "Block-hours a tenant's leased sessions held between their turns over the "
+            "dashboard's time range: reserved (lower tiers kept out) and retained (only "
+            "evicted last), the KV retention SKU's two quantities.",
+            _q(
+                _sum("increase", m.RETENTION_BLOCK_SECONDS.name, "tenant_id, state", window=RANGE)
+                + " / 3600",
+                "{{tenant_id}} {{state}}",
             ),
             kind="bargauge",
         ),

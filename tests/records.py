@@ -25,3 +25,23 @@ def rec(i: int, tenant="acme", tier="premium", model="m", at=NOV + 3600, **kw) -
         outcome="completed",
     )
     return UsageRecord(**{**base, **kw})
+
+
+def retention(i: int, reserved: float, retained: float, **kw) -> UsageRecord:
+    """A retention record: a session's blocks between turns, no tokens."""
+    zero = dict.fromkeys(
+        ("input_tokens", "cached_input_tokens", "output_tokens", "recomputed_tokens"), 0
+    )
+    return rec(
+        i,
+        **{
+            **zero,
+            "preemptions": 0,
+            "kv_block_seconds": 0.0,
+            "outcome": "retention",
+            "request_id": f"kvl-{i:032x}:retention",
+            "kv_reserved_block_seconds": reserved,
+            "kv_retained_block_seconds": retained,
+            **kw,
+        },
+    )

@@ -93,6 +93,23 @@ def test_live_from_engine_joins_blocks_tiers_leases_and_recent_events():
     assert live.events.set_index("kind").loc["eviction", "n"] == 3  # blocks, for evictions
 
 
+def test_the_live_tenant_table_shows_the_kv_retention_of_the_last_five_minutes():
+    """Cumulative retention totals in the samples: the table shows what grew in the last
+    RECENT_SECONDS (a sample older than that is not the baseline)."""
+    history = History(TenantLabels(), window=600, every=1.0)
+    now = time.time()
+    for i, (reserved, retained) in enumerate([(0, 0), (100, 10), (160, 40), (190, 90)]):
+        state = _typed(_state(acme=(3, 2, 1)))
+        state.totals.retention_block_seconds = [
+            ("acme", "premium", "reserved", float(reserved)),
+            ("acme", "premium", "retained", float(retained)),
+        ]
+        history.add_state({0: state}, wall=now - 400 + i * 120)  # -400, -280, -160, -40
+    live = data.live_from_engine(_state(acme=(3, 2, 1)), history.since(600), now)
+    acme = live.tenants.set_index("tenant_id").loc["acme"]
+    assert (acme["reserved_5m"], acme["retained_5m"]) == (90.0, 80.0)  # -280 .. -40
+
+
 def test_the_pool_bar_splits_what_vllm_calls_free_into_leased_cached_cached_and_empty():
     state = _state(acme=(3, 40, 1), bob=(4, 6, 2))  # 46 of 63 blocks hold leased prefixes
     live = data.live_from_engine(state, {"samples": [], "events": []}, time.time())
@@ -191,6 +208,10 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
         "lease_left": [_vector({"tenant_id": "acme"}, 120.4)],
         "preemptions_5m": [_vector({"tenant_id": "bob"}, 2.0000001)],
         "evictions_5m": [],
+        "retention_5m": [
+            _vector({"tenant_id": "acme", "state": "reserved"}, 120.0),
+            _vector({"tenant_id": "acme", "state": "retained"}, 30.04),
+        ],
     }
     ranged = {
         "occupancy": [_matrix({"tenant_id": "acme", "state": "running"}, [8, 6, 0])],
@@ -209,6 +230,7 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
     acme = rows.loc["acme", ["running", "cached_leased", "held", "leases"]]
     assert acme.tolist() == [8, 4, 12, 3]
     assert rows.loc["bob", "preemptions_5m"] == 2 and rows.loc["bob", "tier"] == ""
+    assert rows.loc["acme", ["reserved_5m", "retained_5m"]].tolist() == [120.0, 30.0]
     assert len(live.occupancy) == 3
     assert sorted(zip(live.events["reason"], live.events["n"], strict=True)) == [
         ("kv_pressure", 1.0),
@@ -223,7 +245,7 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
 
 def _tenants(n: int) -> pd.DataFrame:
     rows = [
-        data._tenant_row(f"tenant-{i:04d}", "free", (i % 7, 0, i % 3), 0, None, 0, 0)
+        data._tenant_row(f"tenant-{i:04d}", "free", (i % 7, 0, i % 3), 0, None, 0, 0, (0, 0))
         for i in range(n)
     ]
     return pd.DataFrame(rows, columns=data.TENANT_COLUMNS)

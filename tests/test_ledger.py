@@ -8,7 +8,7 @@ import re
 from decimal import Decimal, localcontext
 
 import pytest
-from records import NOV, rec
+from records import NOV, rec, retention
 
 from exporters.billing import (
     EXACT,
@@ -398,6 +398,36 @@ def test_what_leasing_bought_is_on_the_input_row_covered_and_reused(tiers):
     [first, *others] = _focus(records, tiers)[:4]
     assert (first["x_LeaseCoveredTokens"], first["x_LeaseReusedTokens"]) == ("960", "720")
     assert {(r["x_LeaseCoveredTokens"], r["x_LeaseReusedTokens"]) for r in others} == {("0", "0")}
+
+
+def test_kv_retention_is_its_own_sku_priced_reserved_and_retained_apart(ledger, tiers):
+    """Two requests and the time between them: 720 reserved and 5,400 retained
+    block-seconds (0.2 and 1.5 block-hours) at the tier's two retention prices, on two
+    rows of one SKU, beside the four request rows; the records count as 2 requests."""
+    ledger.write([rec(1), retention(1, 720.0, 5400.0), rec(2)])
+    rows = [dict(r) for r in focus_rows(ledger.rollups(NOV, NOV + 86400), "day", tiers)]
+    assert [r["SkuId"] for r in rows] == [*SKUS, "kvlease-kv-retention", "kvlease-kv-retention"]
+    p = tiers["premium"].prices
+    reserved, retained = rows[4:]
+    assert (reserved["ConsumedQuantity"], retained["ConsumedQuantity"]) == ("0.2", "1.5")
+    assert (Decimal(reserved["ListUnitPrice"]), Decimal(retained["ListUnitPrice"])) == (
+        p.reserved_block_hour,
+        p.retained_block_hour,
+    )
+    # priced per whole block-microsecond, as the block-hours are (billing.per_block_us)
+    assert abs(Decimal(reserved["BilledCost"]) - Decimal("0.2") * p.reserved_block_hour) < Decimal(
+        "1e-20"
+    )
+    assert abs(Decimal(retained["BilledCost"]) - Decimal("1.5") * p.retained_block_hour) < Decimal(
+        "1e-20"
+    )
+    assert reserved["SkuMeter"] == "KV Retention Block-Hours"
+    assert reserved["SkuPriceId"].startswith("kv-retention:reserved:premium:")
+    assert len({r["x_RowKey"] for r in rows}) == 6
+    assert rows[0]["x_Requests"] == "2"
+    total = sum(Decimal(r["BilledCost"]) for r in rows)
+    assert total == sum(record_cost(r, tiers) for r in ledger.read(NOV, NOV + 86400))
+    assert ledger.write([retention(1, 720.0, 5400.0)]) == 0  # idempotent by its key
 
 
 def test_records_keep_the_lease_covered_tokens_through_the_database(tmp_path):

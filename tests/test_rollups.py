@@ -15,12 +15,12 @@ from dataclasses import astuple, replace
 from pathlib import Path
 
 import pytest
-from records import NOV, rec
+from records import NOV, rec, retention
 
 from engine.tenancy import TierTable
 from exporters.billing import export_chunks, focus_rows, usage
 from exporters.ledger import UsageLedger, rollup_of
-from exporters.rollups import DAY, HOUR, block_us
+from exporters.rollups import DAY, HOUR, SUMS, block_us
 from server.cli import main
 
 END = NOV + 40 * DAY
@@ -46,6 +46,14 @@ def random_records(rng: random.Random, n: int, start: int = 0) -> list:
     out = []
     for i in range(start, start + n):
         prompt = rng.randint(1, 5000)
+        if rng.random() < 0.2:  # a session's time between turns
+            held = [rng.random() * rng.choice([0, 1, 300]) for _ in range(2)]
+            out.append(
+                retention(
+                    i, *held, tenant=rng.choice(["acme", "bob"]), at=NOV + rng.random() * 10 * DAY
+                )
+            )
+            continue
         out.append(
             rec(
                 i,
@@ -74,7 +82,7 @@ def maintained(ledger: UsageLedger) -> list[tuple]:
 
 def recomputed(records) -> list[tuple]:
     """The rollups summed in Python from the records, by the same rules."""
-    sums: dict[tuple, list[int]] = defaultdict(lambda: [0] * 9)
+    sums: dict[tuple, list[int]] = defaultdict(lambda: [0] * len(SUMS))
     for r in records:
         x = rollup_of(r)
         key = (x.tenant_id, x.model, x.at, x.tier, x.price_basis)
@@ -171,23 +179,36 @@ def test_rebuild_rollups_cli_restores_damaged_rollups(ledger, capsys):
 
 
 def test_an_older_ledger_gets_its_rollups_when_migrated(tmp_path):
-    from sqlalchemy import text
+    """A ledger at schema version 4 (records only, no retention columns), made by its own
+    migrations, gains rollups equal to its records' sums and the retention columns."""
+    from sqlalchemy import create_engine, text
 
     from exporters.ledger import MIGRATIONS
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
-    records = random_records(random.Random(11), 50)
-    ledger = UsageLedger(url)
-    with ledger.engine.begin() as conn:  # back to version 4, records only
-        conn.execute(text("DROP TABLE usage_rollups"))
-        conn.execute(text("DROP TABLE usage_retention"))
-        conn.execute(text("DELETE FROM kvlease_schema WHERE version >= 5"))
-        from exporters.ledger import records as table
-
-        conn.execute(table.insert(), [r.__dict__ for r in records])
-    assert max(MIGRATIONS) >= 5
+    records = [r for r in random_records(random.Random(11), 60) if r.outcome != "retention"]
+    v4 = [
+        c
+        for c in records[0].__dict__
+        if c not in ("kv_reserved_block_seconds", "kv_retained_block_seconds")
+    ]
+    old = create_engine(url)
+    with old.begin() as conn:
+        conn.execute(text("CREATE TABLE kvlease_schema (version INTEGER)"))
+        for version in (1, 2, 3, 4):
+            for statement in MIGRATIONS[version]:
+                conn.execute(text(statement))
+            conn.execute(text(f"INSERT INTO kvlease_schema VALUES ({version})"))
+        insert = (
+            f"INSERT INTO usage_records ({', '.join(v4)}) VALUES ({', '.join(':' + c for c in v4)})"
+        )
+        conn.execute(text(insert), [{c: getattr(r, c) for c in v4} for r in records])
+    old.dispose()
     migrated = UsageLedger(url)
     assert maintained(migrated) == recomputed(records)
+    assert list(migrated.read(0, END)) == sorted(
+        records, key=lambda r: (r.tenant_id, r.model, r.ended_at)
+    )  # retention figures read as 0
 
 
 def test_import_loads_a_raw_export_and_re_importing_adds_nothing(ledger, tmp_path, capsys):
@@ -213,7 +234,7 @@ def test_import_reports_each_bad_row_and_imports_the_good_ones(ledger, tmp_path,
     from exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
-    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0"
     rows = [
         good,
         good.replace("kvl-1", "kvl-2").replace(",10,5,", ",10,50,"),
@@ -228,7 +249,7 @@ def test_import_reports_each_bad_row_and_imports_the_good_ones(ledger, tmp_path,
     assert out.err.splitlines() == [
         f"{path}:3: cached_input_tokens is more than input_tokens",
         f"{path}:4: ended_at is not a time: 'yesterday' (2026-11-01T12:00:00Z)",
-        f"{path}:5: outcome 'exploded' is not one of completed, aborted, failed",
+        f"{path}:5: outcome 'exploded' is not one of completed, aborted, failed, retention",
     ]
     assert "imported 2 new records" in out.out
     assert sorted(r.request_id for r in ledger.read(0, END)) == ["kvl-1", "kvl-5"]
@@ -315,7 +336,7 @@ def test_import_bounds_every_value_and_keeps_the_good_rows_of_a_batch(ledger, tm
     from exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
-    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0"
     basis = (
         '"{""block_hour"": ""{}"", ""cached_input_per_1k"": ""0"", ""currency"": ""USD"", '
         '""input_per_1k"": ""0"", ""output_per_1k"": ""0""}"'
@@ -359,7 +380,7 @@ def test_import_reports_a_repeated_id_by_line(ledger, tmp_path, capsys):
     from exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
-    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0"
     path = tmp_path / "in.csv"
     path.write_text(
         ",".join(RAW_COLUMNS) + "\n" + good + "\n" + good.replace(",10,", ",11,") + "\n"
@@ -369,13 +390,16 @@ def test_import_reports_a_repeated_id_by_line(ledger, tmp_path, capsys):
 
 
 def test_import_reads_the_raw_layout_an_earlier_kvlease_wrote(ledger, tmp_path, capsys):
-    """Before `partial`, `price_basis` and `lease_covered_tokens`: the migrations' defaults."""
+    """Before `partial`, `price_basis`, `lease_covered_tokens` and the retention columns:
+    the migrations' defaults."""
     from exporters.billing import RAW_COLUMNS
+    from exporters.usage_import import OPTIONAL_COLUMNS
 
-    old = [c for c in RAW_COLUMNS if c not in ("partial", "price_basis", "lease_covered_tokens")]
+    old = [c for c in RAW_COLUMNS if c not in OPTIONAL_COLUMNS]
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
     path = tmp_path / "old.csv"
     path.write_text(",".join(old) + f"\nkvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed\n")
     assert main(["usage", "import", str(path), "--usage-db", ledger.url]) == 0
     [record] = ledger.read(0, END)
     assert (record.partial, record.price_basis, record.lease_covered_tokens) == (False, None, 0)
+    assert (record.kv_reserved_block_seconds, record.kv_retained_block_seconds) == (0.0, 0.0)

@@ -507,3 +507,54 @@ def test_the_reserve_setting_overrides_every_tiers_mode(demo_model, mode, reserv
             scheduler, clock, make_request("solo", "premium", 0, 2, session=f"q{n}", prompt=prompt)
         )
         assert scheduler._holders[("solo", f"q{n}")].reserved == reserved
+
+
+def _retentions(scheduler) -> list:
+    return [e for e in scheduler.events.drain() if type(e).__name__ == "Retention"]
+
+
+def test_the_time_between_turns_is_metered_as_reserved_then_retained_block_seconds(demo_model):
+    """4 blocks reserved for the 60 s window, then retained for the rest of the 300 s
+    lease: one record of 240 reserved and 960 retained block-seconds, from the turn's
+    request, when the lease ends; the totals for the metrics say the same."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.clock = clock = ManualClock()
+    chat = _conversation(140, seed=3)
+    turn = make_request("pam", "premium", 0, 2, session="c", prompt=chat)
+    _turn_on(scheduler, clock, turn)
+    ended = clock.now
+    for at in (30.0, 61.0, 200.0, 301.0):
+        clock.now = ended + at
+        _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
+    (record,) = _retentions(scheduler)
+    assert (record.request_id, record.tenant_id, record.tier, record.session_id) == (
+        turn.request_id, "pam", "premium", "c",
+    )  # fmt: skip
+    assert ended - 1.0 <= record.started <= ended and record.at == record.started + 300.0
+    assert record.reserved_block_seconds == pytest.approx(4 * 60.0)
+    assert record.retained_block_seconds == pytest.approx(4 * 240.0)
+    totals = {
+        (t, tier, state): v
+        for t, tier, state, v in scheduler.state().totals.retention_block_seconds
+    }
+    assert totals == pytest.approx(
+        {("pam", "premium", "reserved"): 240.0, ("pam", "premium", "retained"): 960.0}
+    )
+
+
+def test_a_next_turn_closes_the_time_between_turns_and_a_free_turn_holds_nothing(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.clock = clock = ManualClock()
+    chat = _conversation(140, seed=4)
+    _turn_on(scheduler, clock, make_request("fay", "free", 0, 2, session="f", prompt=chat))
+    first = make_request("pam", "premium", 0, 2, session="c", prompt=chat[:100])
+    _turn_on(scheduler, clock, first)
+    ended = clock.now
+    clock.now = ended + 5.0
+    scheduler.add_request(make_request("pam", "premium", 0, 2, session="c", prompt=chat))
+    (record,) = _retentions(scheduler)
+    assert record.request_id == first.request_id and record.at == ended + 5.0
+    held = record.at - record.started  # 5 s, and the step the turn ended in
+    assert record.reserved_block_seconds == pytest.approx(held * 3)  # 100 tokens: 3 blocks
+    assert record.retained_block_seconds == 0.0
+    _run_on(scheduler, clock)

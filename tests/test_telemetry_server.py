@@ -21,6 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from servers import prometheus, start, wait_for_series
+from waiting import until
 
 from exporters.metrics import FAMILIES
 
@@ -246,10 +247,38 @@ def test_spans_of_the_pressure_workload_carry_preemption_events(loaded, otlp):
     assert _attributes(preempted[0])["kvlease.preemptions"] >= 1
 
 
-def _ledger_records(usage_db):
+def _ledger_records(usage_db, outcome=lambda o: o != "retention"):
+    """The requests' records (retention records: `outcome=lambda o: o == "retention"`)."""
     from exporters.ledger import UsageLedger
 
-    return list(UsageLedger(usage_db).read(0, 4e9))
+    return [r for r in UsageLedger(usage_db).read(0, 4e9) if outcome(r.outcome)]
+
+
+def test_a_leased_sessions_time_between_turns_is_billed_as_kv_retention(loaded, usage_db):
+    """Each premium and standard session sent a turn every round: the time between two
+    turns is a retention record, keyed by the request that ended the first, with block-
+    seconds; free sessions hold no lease, so none. The counter holds at least as much
+    (it also counts the episodes still open)."""
+    requests = {r.request_id: r for r in _ledger_records(usage_db)}
+    kept = _ledger_records(usage_db, lambda o: o == "retention")
+    by_tenant: dict[str, list] = {}
+    for r in kept:
+        by_tenant.setdefault(r.tenant_id, []).append(r)
+        turn = requests[r.request_id.removesuffix(":retention")]
+        assert (turn.tenant_id, turn.session_id, turn.tier) == (r.tenant_id, r.session_id, r.tier)
+        assert r.started_at >= turn.ended_at - 1 and r.ended_at >= r.started_at
+        assert r.kv_reserved_block_seconds + r.kv_retained_block_seconds > 0
+        assert (r.input_tokens, r.output_tokens, r.kv_block_seconds) == (0, 0, 0.0)
+    leasing = {f"{TIERS[i % 3]}-{i}" for i in range(12) if TIERS[i % 3] != "free"}
+    assert set(by_tenant) <= leasing and not any(t.startswith("free") for t in by_tenant)
+    assert all(len(by_tenant.get(t, [])) >= loaded.rounds - 1 for t in leasing)
+    billed = sum(r.kv_reserved_block_seconds + r.kv_retained_block_seconds for r in kept)
+
+    def counted() -> bool:  # the next engine snapshot carries the totals
+        families, _ = _families(loaded)
+        return _sum(families, "vllm_tenant_kv_retention_block_seconds") >= billed * 0.999
+
+    until(counted, "the retention counter reaching the ledger's retention block-seconds")
 
 
 def test_every_answered_request_has_exactly_one_usage_record(loaded, usage_db):

@@ -55,6 +55,33 @@ def test_prices_are_exact_decimals_even_when_written_as_floats():
     assert isinstance(table["gold"].prices.block_hour, Decimal)
 
 
+def test_kv_retention_prices_default_to_the_block_hour_reserved_and_nothing_retained():
+    from engine.tenancy import Prices
+
+    table = TierTable.from_toml(VALID)
+    gold = table["gold"].prices
+    assert (gold.reserved_block_hour, gold.retained_block_hour) == (Decimal("0.01"), 0)
+    priced = TierTable.from_toml(
+        VALID.replace('block_hour = "0.01"', 'block_hour = "0.01"\nretained_block_hour = "0.002"')
+    )["gold"].prices
+    assert priced.retained_block_hour == Decimal("0.002")
+    assert Prices.from_basis(priced.basis("EUR")) == ("EUR", priced)  # six prices kept
+    old = '{"block_hour": "0.01", "cached_input_per_1k": "0.1", "currency": "USD", '
+    old += '"input_per_1k": "0.5", "output_per_1k": "1.5"}'  # written before retention
+    _, prices = Prices.from_basis(old)
+    assert (prices.reserved_block_hour, prices.retained_block_hour) == (Decimal("0.01"), 0)
+    shipped = TierTable.load()
+    assert [shipped[t].prices.retained_block_hour for t in shipped] == [
+        Decimal("0.0020"),
+        Decimal("0.0010"),
+        0,
+    ]
+    with pytest.raises(TierConfigError, match="reserved_block_hour"):
+        TierTable.from_toml(
+            VALID.replace('block_hour = "0.01"', 'block_hour = "0.01"\nreserved_block_hour = "-1"')
+        )
+
+
 def test_load_prefers_explicit_path_over_environment(tmp_path, monkeypatch):
     explicit = tmp_path / "explicit.toml"
     explicit.write_text(VALID)

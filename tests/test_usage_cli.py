@@ -96,7 +96,7 @@ def test_import_into_a_ledger_that_does_not_exist_needs_create(tmp_path, capsys)
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
     raw.write_text(
         ",".join(RAW_COLUMNS)
-        + f"\nkvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0\n"
+        + f"\nkvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0\n"
     )
     typo = tmp_path / "tpyo" / "usage.db"
     assert main(["usage", "import", str(raw), "--usage-db", f"sqlite:///{typo}"]) == 2
