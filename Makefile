@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) -m bench.ledger $(BENCH_ARGS)
 	$(PY) -m bench.calibrate $(BENCH_ARGS)
 	$(PY) -m bench.replay $(BENCH_ARGS)
+	$(PY) -m bench.ablations $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

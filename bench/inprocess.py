@@ -175,13 +175,14 @@ class Telemetry:
         self.telemetry.join.in_flight.pop(rid, None)
 
     def close(self) -> int:
-        """Flush spans and usage records as `kvlease serve` does on exit; the ledger's count."""
+        """Flush spans and usage records as `kvlease serve` does on exit; the ledger's
+        request records (its KV retention records are not requests)."""
         from exporters.ledger import UsageLedger
 
         self._stop.set()
         time.sleep(0.5)  # let the channel deliver the engine's last events
         self.telemetry.stop()
-        return UsageLedger(f"sqlite:///{self.db}").count()
+        return UsageLedger(f"sqlite:///{self.db}").count(requests_only=True)
 
     def _scrape(self) -> None:
         from prometheus_client import REGISTRY, generate_latest

@@ -12,11 +12,13 @@ the trace must preempt), started once in this process:
   priority  stock vLLM Scheduler, PRIORITY with priority = tier (the baseline to beat)
   kvlease   TenantAwareScheduler (victim rule `least_work`, vLLM policy FCFS: kvlease
             orders by tier itself), metrics, tracing and ledger on
-plus the ablations, kvlease with one mechanism changed: `lru`, the seed's `lru` victim
-rule; `fifo`, fair share off (FIFO within a tier, as before issue 18); `reserve-lease`,
-every reservation as long as its lease (as before issue 30); `reserve-never`, leases
-protect by eviction order only, nothing reserved; and
-`kvlease-quiet`, kvlease with all telemetry off, for the cost of telemetry. Every
+plus the ablations, kvlease with one mechanism off or changed (ABLATION_SETTINGS):
+`reserve-never` (no reservation), `reserve-lease` (reserved for the whole lease, as
+before issue 30), `no-lease-order` (a lease's unreserved blocks are plain LRU cached
+blocks), `no-admission` (a waiting higher tier never preempts running lower-tier work),
+`fifo` (fair share off), `fcfs-service` (`running` served first come, first served, not
+by class) and `lru` (the seed's victim rule); and `kvlease-quiet`, kvlease with all
+telemetry off, for the cost of telemetry. Every
 way but `alone` plays the trace `--repeats` times, in an order rotated each round,
 and its wall time is the median (the step figures are the same every time). An
 in-process engine with the demo model starts in a few seconds.
@@ -52,7 +54,17 @@ from replay.sessions import Arrival, StepTrace
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
 MAX_CONTEXT = 1400  # a session ends before its context passes this (or max_model_len)
 RESULTS = Path(__file__).parent / "results"
-ABLATIONS = ("lru", "fifo", "reserve-lease", "reserve-never")  # kvlease, one mechanism changed
+# kvlease with one mechanism changed, and the settings that change it (engine.settings)
+ABLATION_SETTINGS: dict[str, dict[str, Any]] = {
+    "reserve-never": {"reserve": "never"},  # no reservation: leases protect by order only
+    "reserve-lease": {"reserve": "lease"},  # reserved for the whole lease (before issue 30)
+    "no-lease-order": {"lease_order": False},  # unreserved leased blocks: plain LRU
+    "no-admission": {"admission_preemption": False},  # waiting premium never preempts
+    "fifo": {"fair_share": False},  # FIFO within a tier (before issue 18)
+    "fcfs-service": {"class_service": False},  # `running` served first come, first served
+    "lru": {"victim_rule": "lru"},  # the seed's victim rule
+}
+ABLATIONS = tuple(ABLATION_SETTINGS)
 
 
 @dataclass
@@ -308,17 +320,9 @@ def main() -> int:
     engines = {
         "kvlease": loud,
         "kvlease-quiet": start_engine("kvlease-quiet", model, TenantAwareScheduler, "fcfs", pool),
-        "lru": start_engine(
-            "lru", model, TenantAwareScheduler, "fcfs", pool, {"victim_rule": "lru"}
-        ),
-        "fifo": start_engine(
-            "fifo", model, TenantAwareScheduler, "fcfs", pool, {"fair_share": False}
-        ),
         **{
-            f"reserve-{mode}": start_engine(
-                f"reserve-{mode}", model, TenantAwareScheduler, "fcfs", pool, {"reserve": mode}
-            )
-            for mode in ("lease", "never")
+            name: start_engine(name, model, TenantAwareScheduler, "fcfs", pool, settings)
+            for name, settings in ABLATION_SETTINGS.items()
         },
         "fcfs": start_engine("fcfs", model, Scheduler, "fcfs", pool),
         "priority": start_engine("priority", model, Scheduler, "priority", pool),
@@ -408,8 +412,45 @@ def markdown(result: dict) -> str:
             f"{w['wall_seconds']:.2f} | {w['recomputed_tokens']:,} | "
             f"{w['context_recomputed_tokens']:,} | {w['wasted_prefill_tokens']:,} |"
         )
-    lines += ["", report.targets_table(result["targets"])]
+    lines += ["", *ablation_table(ways), "", report.targets_table(result["targets"])]
     return "\n".join(lines) + "\n"
+
+
+def ablation_table(ways: dict[str, dict]) -> list[str]:
+    """What each mechanism buys: kvlease, then kvlease with one of them off, then stock;
+    ratios against stock PRIORITY in the same run."""
+    top, bottom = TIERS[0], TIERS[-1]
+    base = ways["priority"]
+    lines = [
+        "| way | engine steps | wall s (median) | wasted prefill | premium TTFT steps "
+        "mean / p99 | leased hit premium / standard (of what the caps allow) "
+        "| free worst TTFT steps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for way in ("kvlease", *ABLATIONS, "priority", "fcfs"):
+        w = ways[way]
+        t = w["tiers"]
+        hits = []
+        for tier in TIERS[:2]:
+            v = t.get(tier, {})
+            hit, bound = v.get("leased_prefix_hit"), v.get("leased_prefix_cap_bound")
+            hits.append(
+                "-" if hit is None else f"{hit:.0%} ({hit / bound:.0%})" if bound else f"{hit:.0%}"
+            )
+        prem, free = t[top]["ttft_steps"], t[bottom]["ttft_steps"]
+        ratio = {
+            key: w[key] / max(1e-9, base[key])
+            for key in ("engine_steps", "wall_seconds", "wasted_prefill_tokens")
+        }
+        free_ratio = free["max"] / max(1e-9, base["tiers"][bottom]["ttft_steps"]["max"])
+        lines.append(
+            f"| {way} | {w['engine_steps']:,} ({ratio['engine_steps']:.2f}x) "
+            f"| {w['wall_seconds']:.2f} ({ratio['wall_seconds']:.2f}x) "
+            f"| {w['wasted_prefill_tokens']:,} ({ratio['wasted_prefill_tokens']:.2f}x) "
+            f"| {prem['mean']:.1f} / {prem['p99']:.0f} | {' / '.join(hits)} "
+            f"| {free['max']:.0f} ({free_ratio:.2f}x) |"
+        )
+    return lines
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ def main() -> int:
         stats, samples, elapsed = asyncio.run(drive(demo, tokens, duration, pid))
     finally:
         demo.stop_all()  # SIGTERM: the server drains and commits its ledger
-    records = UsageLedger(f"sqlite:///{demo.ledger}").count()
+    records = UsageLedger(f"sqlite:///{demo.ledger}").count(requests_only=True)
     latency = [x for v in stats.latency.values() for x in v]
     ttft = [x for v in stats.ttft.values() for x in v]
     errors = sum(stats.errors.values()) + sum(stats.rejected.values())

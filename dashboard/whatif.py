@@ -49,6 +49,7 @@ COLUMNS = (
     ("recomputed_tokens", "recomputed\ntokens"),
     ("leased_next_turn_hit", "leased\nhit"),
     ("kv_block_hours", "block-\nhours"),
+    ("kv_retention_hours", "retention\nblock-hours"),
     ("fair_share_ratio", "fair\nshare"),
     ("cost", "cost"),
 )

@@ -110,9 +110,18 @@ class TenantFreeBlockQueue:
     once per reservation window, turn or lease, off the per-step path.
     """
 
-    def __init__(self, blocks: Sequence[Block], num_blocks: int, leased_caps: Sequence[int] = ()):
+    def __init__(
+        self,
+        blocks: Sequence[Block],
+        num_blocks: int,
+        leased_caps: Sequence[int] = (),
+        retains: bool = True,
+    ):
         """`leased_caps[i]` caps the RESERVED segment of leasing tier i (least important
-        first); RETAINED segments have no cap (any request may take their blocks)."""
+        first); RETAINED segments have no cap (any request may take their blocks). With
+        `retains` off (an ablation: no lease eviction order), what would be RETAINED goes
+        to the back of CACHED instead, as in vLLM's LRU."""
+        self._retains = retains
         self._tiers = len(leased_caps)
         self._first_reserved = FIRST_LEASED + self._tiers
         nseg = self._first_reserved + self._tiers
@@ -134,9 +143,11 @@ class TenantFreeBlockQueue:
             self._insert_before(self._seps[CACHED], block, EMPTY, None)
 
     @classmethod
-    def replacing(cls, queue: Any, num_blocks: int, leased_caps: Sequence[int] = ()):
+    def replacing(
+        cls, queue: Any, num_blocks: int, leased_caps: Sequence[int] = (), retains: bool = True
+    ):
         """A tenant queue holding `queue`'s free blocks in the same order."""
-        return cls(queue.get_all_free_blocks(), num_blocks, leased_caps)
+        return cls(queue.get_all_free_blocks(), num_blocks, leased_caps, retains)
 
     # -- vLLM's FreeKVCacheBlockQueue interface ------------------------------
 
@@ -204,7 +215,7 @@ class TenantFreeBlockQueue:
             if self._count[seg] >= self._cap[seg]:
                 self._demote_oldest(seg)
         elif cls is EvictionClass.RETAINED:
-            seg = FIRST_LEASED + index
+            seg = self._retained(index)
         else:
             seg = CACHED
         self._insert_before(self._seps[seg + 1], block, seg, owner)
@@ -258,7 +269,7 @@ class TenantFreeBlockQueue:
         if holder.lease_index is None or holder.reserved == 0:
             return 0
         moved = self._blocks_of(holder, self._first_reserved + holder.lease_index)
-        retained = FIRST_LEASED + holder.lease_index
+        retained = self._retained(holder.lease_index)
         for block in moved:
             self._unlink(block, evicting=False)
             self._insert_before(self._seps[retained + 1], block, retained, holder)
@@ -330,9 +341,13 @@ class TenantFreeBlockQueue:
         newest RETAINED one of the tier (its lease still protects it, by order)."""
         block = self._seps[seg].next_free_block
         owner = self._owner[block.block_id]
-        retained = seg - self._tiers
+        retained = self._retained(seg - self._first_reserved)
         self._unlink(block, evicting=False)
         self._insert_before(self._seps[retained + 1], block, retained, owner)
+
+    def _retained(self, lease_index: int) -> int:
+        """The segment a leasing tier's blocks go to when their lease protects by order."""
+        return FIRST_LEASED + lease_index if self._retains else CACHED
 
     def _insert_before(self, nxt: Any, block: Block, seg: int, owner: Holder | None) -> None:
         prev = nxt.prev_free_block

@@ -27,6 +27,10 @@ KEYS = {
     "host_link_gbps": "KVLEASE_HOST_LINK_GBPS",
     "fair_share": "KVLEASE_FAIR_SHARE",
     "reserve": "KVLEASE_RESERVE",
+    # Each mechanism can be turned off on its own, to measure what it buys (bench/policy.py).
+    "lease_order": "KVLEASE_LEASE_ORDER",
+    "admission_preemption": "KVLEASE_ADMISSION_PREEMPTION",
+    "class_service": "KVLEASE_CLASS_SERVICE",
 }
 
 
@@ -45,6 +49,9 @@ class SchedulerSettings:
     host_link_gbps: float | None = None  # GB/s device<->host, one way
     fair_share: bool = True  # weighted VTC inside each tier (off: FIFO within a tier)
     reserve: ReserveMode | None = None  # every tier's `reserve` mode, if set (ablations)
+    lease_order: bool = True  # off: a lease's unreserved blocks are plain LRU cached blocks
+    admission_preemption: bool = True  # off: a waiting higher tier never preempts (stock)
+    class_service: bool = True  # off: `running` is served first come first served (stock)
 
     @classmethod
     def load(
@@ -88,6 +95,10 @@ class SchedulerSettings:
                 raise SettingsError(f"{where('reserve')} {exc}") from None
         debug = _flag(raw["debug_accounting"], False, where("debug_accounting"))
         fair = _flag(raw["fair_share"], True, where("fair_share"))
+        switches = {
+            key: _flag(raw[key], True, where(key))
+            for key in ("lease_order", "admission_preemption", "class_service")
+        }
         capacity = number("event_capacity", 0, 65536)
         assert capacity is not None
         sample = number("sample_seconds", 0, 0.25)
@@ -102,6 +113,7 @@ class SchedulerSettings:
             host_link_gbps=number("host_link_gbps", 0, None),
             fair_share=fair,
             reserve=reserve,
+            **switches,
         )
 
 

@@ -119,7 +119,7 @@ class Tenancy:
     recomputed_tokens: int = 0
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
     account: Account | None = None  # its tenant's fair-share account in its tier
-    charged_until: int = 0  # tokens charged to the account at its last admission
+    charged_until: int = 0  # its tokens charged to the account so far (prompt at admission)
 
     @property
     def session(self) -> Hashable:
@@ -135,6 +135,10 @@ class Tenancy:
             seq=self.key[1],
             counter=counter,
         )
+
+
+CHARGE_STEPS = 8  # generated tokens reach the fair-share counters every this many steps
+_ONE_CLASS = (0, 0, 0)  # every request's service class with class-ordered service off
 
 
 class _RunningList(list):
@@ -238,6 +242,7 @@ class TenantSchedulingMixin:
         self._admissions = itertools.count()
         self._preempt_reason = "kv_pressure"
         self._last_sample = float("-inf")
+        self._steps = 0  # schedule() calls: generated tokens are charged every CHARGE_STEPS
         self._bucket = {name: i for i, name in enumerate(tiers)}  # tiers are in priority order
 
         # vLLM's policy stays: each tenant's waiting requests are in its order, and under
@@ -332,7 +337,9 @@ class TenantSchedulingMixin:
     def _install_free_queue(self) -> TenantFreeBlockQueue:
         """Replace the pool's free queue with a tenant queue holding the same blocks, in order."""
         pool = self._pool
-        queue = TenantFreeBlockQueue.replacing(pool.free_block_queue, len(pool.blocks), self._caps)
+        queue = TenantFreeBlockQueue.replacing(
+            pool.free_block_queue, len(pool.blocks), self._caps, self.settings.lease_order
+        )
         pool.free_block_queue = queue
         return queue
 
@@ -391,6 +398,11 @@ class TenantSchedulingMixin:
         if type(self.running) is not _RunningList:
             self.running = _RunningList(self._admitted, self._service_key, self.running)
 
+    def _service_rank(self, rank: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The class `running` is served in: the request's own, or one for every request
+        with class-ordered service off (an ablation: vLLM's first come, first served)."""
+        return rank if self.settings.class_service else _ONE_CLASS
+
     def _service_key(self, request: Request) -> tuple:
         t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
         return t.key
@@ -399,7 +411,7 @@ class TenantSchedulingMixin:
         """vLLM admits `request` into `running`: give it its place (behind its class)."""
         t = self._tenancy_of(request)
         self._restore_offloaded(t)
-        t.key = service_key(t.rank, next(self._admissions))
+        t.key = service_key(self._service_rank(t.rank), next(self._admissions))
         if t.account is not None:  # the prompt (or what a preemption lost) is charged now,
             # so the next admission in this step already sees it (VTC charges at dispatch)
             t.account.charge(INPUT_COST * (request.num_tokens - request.num_computed_tokens))
@@ -443,7 +455,7 @@ class TenantSchedulingMixin:
                     {k: args.get(k) for k in ("tenant_id", "tier", "session_id")},
                 )
             rank = protection_rank(False, False, 0)
-            key = service_key(rank, next(self._admissions))
+            key = service_key(self._service_rank(rank), next(self._admissions))
             return Tenancy(None, None, None, rank, len(tiers), next(self._seq), None, 0, key)
         session_id = session_id if isinstance(session_id, str) else None
         tier = tiers[tier_name]
@@ -458,7 +470,7 @@ class TenantSchedulingMixin:
             next(self._seq),
             None,
             self._reserve_from[tier.name],
-            service_key(rank, next(self._admissions)),
+            service_key(self._service_rank(rank), next(self._admissions)),
         )
         holder = self._holders.get(tenancy.session)
         if holder is None:
@@ -515,23 +527,34 @@ class TenantSchedulingMixin:
         finally:
             if held:
                 self.waiting.prepend_requests(held)
-        self._charge(output.num_scheduled_tokens)
+        self._steps += 1
+        if self._steps % CHARGE_STEPS == 0:
+            self._charge_running()
         if self._awaiting_hit:
             self._note_lease_hits()
         self._report_evictions()
         return output
 
-    def _charge(self, scheduled: dict[str, int]) -> None:
-        """Generated tokens are their tenant's service as they are computed (the prompt was
-        charged at admission, `_admitted`). O(scheduled requests)."""
-        tenancy, requests = self._tenancy, self.requests
-        for request_id, tokens in scheduled.items():
-            t = tenancy.get(request_id)
-            account = t.account if t is not None else None
-            if account is not None:
-                new = requests[request_id].num_computed_tokens - t.charged_until  # past admission
-                if new > 0:
-                    account.charge(OUTPUT_COST * (new if new < tokens else tokens))
+    def _charge_running(self) -> None:
+        """Charge the generated tokens of every running request to its tenant (the prompt
+        was charged at admission, `_admitted`). Every CHARGE_STEPS steps, and for one request
+        when it is preempted or finishes, so its tokens are all charged: between two, an
+        admission sees each running request's last few tokens uncharged (VTC's bound grows
+        by that much), for an eighth of the per-step cost. O(running requests)."""
+        tenancy = self._tenancy
+        for request in self.running:
+            t = tenancy.get(request.request_id)
+            if t is not None:
+                self._charge(request, t)
+
+    @staticmethod
+    def _charge(request: Request, t: Tenancy) -> None:
+        account = t.account
+        if account is not None:
+            new = request.num_computed_tokens - t.charged_until  # generated since last charge
+            if new > 0:
+                account.charge(OUTPUT_COST * new)
+                t.charged_until = request.num_computed_tokens
 
     def _note_lease_hits(self) -> None:
         """A leased next turn just scheduled for the first time: keep its prefix-cache hit
@@ -650,14 +673,22 @@ class TenantSchedulingMixin:
         """
         last = self._tenancy_of(self.running[-1])
         if last.tenant_id is not None:
-            self._move_victim_to_end(request, klass=last.key[0])
+            if self.settings.class_service:
+                self._move_victim_to_end(request, klass=last.key[0])
+            else:  # `running` is not in class order: the lowest class is searched for
+                self._move_victim_to_end(request, by_class=True)
 
     def _move_victim_to_end(
-        self, request: Request, klass: tuple | None = None, account: Account | None = None
+        self,
+        request: Request,
+        klass: tuple | None = None,
+        account: Account | None = None,
+        by_class: bool = False,
     ) -> None:
         """Scanning `running` from the end back to `request`, within class `klass` (the
         scan stops at another class) or among `account`'s requests, move the first victim
-        by `within_class_key` (furthest above its fair share, then the victim rule)."""
+        by `within_class_key` (furthest above its fair share, then the victim rule);
+        `by_class`: the lowest class first, then that key."""
         running, rule = self.running, self.settings.victim_rule
         best, best_key = -1, None
         for i in range(len(running) - 1, -1, -1):
@@ -670,6 +701,8 @@ class TenantSchedulingMixin:
                 key = within_class_key(
                     rule, candidate.num_computed_tokens, candidate.arrival_time, self._counter(t)
                 )
+                if by_class:
+                    key = (t.rank, key)
                 if best_key is None or key > best_key:
                     best, best_key = i, key
             if candidate is request:
@@ -685,11 +718,12 @@ class TenantSchedulingMixin:
         classes first and the least work first within one (`engine.policy.admission_victims`).
         Returns the victims, which are kept out of the waiting queue for this step.
         """
-        if not self.waiting or not self.running:
+        if not self.waiting or not self.running or not self.settings.admission_preemption:
             return []
         head = self.waiting.peek_request()
         head_t = self._tenancy_of(head)
-        if self._tenancy_of(self.running[-1]).rank <= head_t.rank:
+        ordered = self.settings.class_service  # else (an ablation) every request is looked at
+        if ordered and self._tenancy_of(self.running[-1]).rank <= head_t.rank:
             return []  # `running` is in class order: nobody below the head runs
         slot_short = len(self.running) >= self.max_num_active_reqs
         need, free = self._admission_gap(head, head_t)
@@ -699,7 +733,9 @@ class TenantSchedulingMixin:
         for request in reversed(self.running):
             t = self._tenancy_of(request)
             if t.rank <= head_t.rank:
-                break
+                if ordered:
+                    break
+                continue
             if self._request_blocks_can_be_freed(request):
                 lower.append(request)
         candidates = []
@@ -751,6 +787,7 @@ class TenantSchedulingMixin:
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False):
         t = self._tenancy[request.request_id]
+        self._charge(request, t)  # what it generated before it loses its computed tokens
         blocks = self._num_blocks(request)
         tokens = request.num_computed_tokens
         decision = preemption_mode(
@@ -817,6 +854,7 @@ class TenantSchedulingMixin:
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         t = self._tenancy.get(request.request_id)
         if t is not None:
+            self._charge(request, t)  # its last generated tokens
             self._integrate_request(request)
             if t.holder is not None and t.holder.in_flight == 1 and t.holder.protected:
                 self._end_turn(t, request)  # before its blocks are freed: they go where it decides

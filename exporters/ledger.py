@@ -437,9 +437,11 @@ class UsageLedger:
     def _horizon(conn) -> int:
         return conn.execute(text("SELECT max(pruned_before) FROM usage_retention")).scalar() or 0
 
-    def count(self) -> int:
+    def count(self, requests_only: bool = False) -> int:
+        """Records in the ledger; `requests_only`: leave out the KV retention records."""
+        where = f" WHERE outcome <> '{RETENTION}'" if requests_only else ""
         with self.engine.connect() as conn:
-            return conn.execute(text("SELECT count(*) FROM usage_records")).scalar() or 0
+            return conn.execute(text(f"SELECT count(*) FROM usage_records{where}")).scalar() or 0
 
 
 _COLUMN_LIST = ", ".join(COLUMNS)

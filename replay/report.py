@@ -88,6 +88,9 @@ def _figures(served: list[Served], tiers: TierTable) -> dict[str, Any]:
             else None
         ),
         "kv_block_hours": round(sum(s.block_seconds for s in served) / 3600, 6),
+        "kv_retention_hours": round(
+            sum(s.reserved_seconds + s.retained_seconds for s in served) / 3600, 6
+        ),
         "cost": float(round(_cost(served, tiers), 6)),
     }
 
@@ -95,7 +98,7 @@ def _figures(served: list[Served], tiers: TierTable) -> dict[str, Any]:
 def _cost(served: Iterable[Served], tiers: TierTable) -> Decimal:
     """What the requests are billed at their tiers' prices in `tiers`, summed per
     (tenant, tier) as a ledger rollup is."""
-    sums: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 0.0])
+    sums: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0])
     for s in served:
         row = sums[s.tenant, s.tier]
         row[0] += 1
@@ -105,11 +108,14 @@ def _cost(served: Iterable[Served], tiers: TierTable) -> Decimal:
         row[4] += s.recomputed_tokens
         row[5] += s.preemptions
         row[6] += s.block_seconds
+        row[7] += s.reserved_seconds
+        row[8] += s.retained_seconds
     total = Decimal(0)
-    for (tenant, tier), (n, inp, cached, out, recomputed, preempted, block_s) in sums.items():
+    for (tenant, tier), row in sums.items():
+        n, inp, cached, out, recomputed, preempted, block_s, reserved_s, retained_s = row
         rollup = Rollup(
             tenant, "replay", 0, tier, None, n, inp, cached, out, recomputed, preempted, 0, 0,
-            block_us(block_s),
+            block_us(block_s), block_us(reserved_s), block_us(retained_s),
         )  # fmt: skip
         total += billed(rollup, tiers)
     return total

@@ -12,6 +12,9 @@ next arrival, the next k steps are all alike: one call samples k tokens per
 request and the clock moves k steps. Those steps decide nothing, so a stride
 changes no figure (tests/test_replay.py checks it against stride 1); it is what
 makes a week of traffic take minutes.
+
+`stock` replays on vLLM's own scheduler instead (FCFS, or PRIORITY with priority =
+tier), with no stride, for what kvlease is measured against (bench/ablations.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from demo.workload import Turn
-from engine.events import RequestDone
+from engine.events import RequestDone, Retention
 from engine.tenancy import TierTable
 from replay.clock import StepCost
 from replay.sessions import Arrival, StepTrace
@@ -50,6 +53,8 @@ class Served:
     preemptions: int = 0
     recomputed_tokens: int = 0
     block_seconds: float = 0.0
+    reserved_seconds: float = 0.0  # KV retention after it: its session's blocks, reserved
+    retained_seconds: float = 0.0  # ... and retained, until the session's next turn
 
     @classmethod
     def arriving(cls, arrival: Arrival, tiers: TierTable, step: int, now: float) -> Served:
@@ -109,20 +114,30 @@ def simulate(
     max_num_batched_tokens: int,
     max_stride: int = MAX_STRIDE,
     progress: Callable[[int], None] | None = None,
+    settings: dict[str, Any] | None = None,
+    stock: str | None = None,
 ) -> Replay:
     """Replay `turns` under `tiers` (the table at `tiers_path`, or the one in force) on a
-    pool of `pool_blocks` KV blocks; `progress` is called with each batch of finished
-    requests' count."""
+    pool of `pool_blocks` KV blocks, with kvlease `settings` (engine.settings keys), or on
+    stock vLLM (`stock`: "fcfs" or "priority"); `progress` is called with each batch of
+    finished requests' count."""
     from engine.vllm_scheduler import TenantAwareScheduler
 
+    kvlease = {**({"tiers": tiers_path} if tiers_path else {}), **(settings or {})}
     scheduler = make_scheduler(
-        TenantAwareScheduler,
+        TenantAwareScheduler if stock is None else _counting_stock(),
         model,
         pool_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        kvlease={"tiers": tiers_path} if tiers_path else None,
+        kvlease=kvlease or None,
+        policy=stock or "fcfs",
     )
+    if stock is not None:
+        max_stride = 1  # strides need kvlease's free queue to know they are safe
+        priority = {name: tiers[name].priority for name in tiers} if stock == "priority" else {}
+    else:
+        priority = {}
     clock = scheduler.clock = _Clock()
     ticks = 1.0 / cost.base if cost.is_fixed else 1000.0  # a tick: a step, or a millisecond
     vocab = scheduler.vllm_config.model_config.get_vocab_size()
@@ -131,11 +146,14 @@ def simulate(
     live: dict[str, tuple[Served, Arrival]] = {}
     done: dict[str, Served] = {}  # finished, until the engine's RequestDone fills it in
     served: list[Served] = []
+    settled: dict[str, Served] = {}  # by request id: a retention record names its turn's
     steps = calls = last_stride = 0
     next_books = 0.0
     while not trace.done:
         for arrival in trace.due(round(clock.now * ticks)):
-            live[arrival.request_id] = _admit(scheduler, arrival, tiers, steps, clock.now)
+            live[arrival.request_id] = _admit(
+                scheduler, arrival, tiers, steps, clock.now, priority.get(arrival.turn.tier, 0)
+            )
         if not scheduler.has_requests():
             clock.now = max(clock.now, trace.next_step() / ticks)  # idle: the next arrival
             continue
@@ -161,24 +179,60 @@ def simulate(
                     trace.finished(arrival, [7] * s.output_tokens, round(clock.now * ticks) - 1)
                     done[o.request_id] = s
                     del live[o.request_id]
+                    if stock is not None:  # no engine events: the counting subclass's
+                        s.preemptions = scheduler.preempted.pop(o.request_id, 0)
+                        s.recomputed_tokens = scheduler.thrown.pop(o.request_id, 0)
+                        served.append(done.pop(o.request_id))
                     finished += 1
         steps += stride
         last_stride = stride
-        served += _settle(scheduler, done)
-        if scheduler.waiting and clock.now >= next_books:  # fair-share books, once a second
+        if stock is None:
+            served += _settle(scheduler, done, settled)
+        if stock is None and scheduler.waiting and clock.now >= next_books:  # fair-share books
             scheduler._fair_share_rows()
             next_books = clock.now + 1.0
         if progress is not None and finished:
             progress(finished)
-    scheduler._fair_share_rows()
-    served += _settle(scheduler, done)
+    books, end = {}, clock.now
+    if stock is None:
+        scheduler._fair_share_rows()
+        # Let every lease run out, so each session's last time between turns is billed.
+        clock.now += max((t.lease_seconds for t in tiers.values()), default=0.0) + 1.0
+        scheduler._expire_leases()
+        served += _settle(scheduler, done, settled)
+        books = dict(scheduler.accounting.fair_share_tokens)
     first = min((s.arrival_s for s in served), default=0.0)
-    books = dict(scheduler.accounting.fair_share_tokens)
-    return Replay(served, steps, calls, clock.now - first, trace.dropped, books)
+    return Replay(served, steps, calls, end - first, trace.dropped, books)
+
+
+def _counting_stock() -> type:
+    """vLLM's Scheduler, counting each request's preemptions and the computed tokens they
+    threw away (what kvlease's RequestDone reports); it changes no decision."""
+    from collections import Counter
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class CountingScheduler(Scheduler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.preempted: Counter[str] = Counter()
+            self.thrown: Counter[str] = Counter()
+
+        def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+            self.preempted[request.request_id] += 1
+            self.thrown[request.request_id] += request.num_computed_tokens
+            return super()._preempt_request(request, *args, **kwargs)
+
+    return CountingScheduler
 
 
 def _admit(
-    scheduler: Any, arrival: Arrival, tiers: TierTable, steps: int, now: float
+    scheduler: Any,
+    arrival: Arrival,
+    tiers: TierTable,
+    steps: int,
+    now: float,
+    priority: int = 0,
 ) -> tuple[Served, Arrival]:
     turn = arrival.turn
     scheduler.add_request(
@@ -190,6 +244,7 @@ def _admit(
             session=turn.session_id,
             prompt=arrival.prompt,
             request_id=arrival.request_id,
+            priority=priority,
         )
     )
     return Served.arriving(arrival, tiers, steps, now), arrival
@@ -240,13 +295,18 @@ def _stride(
     return stride if scheduler._free_queue.free_unreserved >= blocks else 1
 
 
-def _settle(scheduler: Any, done: dict[str, Served]) -> list[Served]:
-    """The engine's own figures for finished requests (its RequestDone events)."""
-    settled = []
+def _settle(scheduler: Any, done: dict[str, Served], settled: dict[str, Served]) -> list[Served]:
+    """The engine's own figures for finished requests (its RequestDone events), and the
+    KV retention after them (Retention events, on the request that opened each)."""
+    out = []
     for event in scheduler.events.drain():
         if isinstance(event, RequestDone) and event.request_id in done:
-            s = done.pop(event.request_id)
+            s = settled[event.request_id] = done.pop(event.request_id)
             s.preemptions, s.recomputed_tokens = event.preemptions, event.recomputed_tokens
             s.block_seconds = event.block_seconds
-            settled.append(s)
-    return settled
+            out.append(s)
+        elif isinstance(event, Retention) and event.request_id in settled:
+            s = settled[event.request_id]
+            s.reserved_seconds += event.reserved_block_seconds
+            s.retained_seconds += event.retained_block_seconds
+    return out

@@ -37,6 +37,7 @@ def make_scheduler(
     kvlease: dict | None = None,
     async_scheduling: bool = False,
     max_model_len: int | None = None,
+    policy: str = "fcfs",
 ) -> Any:
     if max_model_len is None:  # the longest request the lease caps allow (the model: 4,096)
         tiers = TierTable.load((kvlease or {}).get("tiers"))
@@ -51,6 +52,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         additional_config={"kvlease": kvlease or {}},
+        scheduling_policy=policy,
     )
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -81,6 +83,7 @@ def make_request(
     prompt: list[int] | None = None,
     request_id: str | None = None,
     salt: str | None = None,
+    priority: int = 0,
 ) -> Request:
     """An engine request as the middleware would send it: tenant fields in `extra_args`
     and a cache salt per tenant (`salt`, default the tenant id)."""
@@ -96,6 +99,7 @@ def make_request(
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra),
         pooling_params=None,
         arrival_time=arrival,
+        priority=priority,
         cache_salt=salt or tenant,
         block_hasher=get_request_block_hasher(BLOCK, sha256),
     )

@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).parent.parent
-NO_PLOT = {"ledger", "calibrate", "replay"}  # tables of figures, no picture
+NO_PLOT = {"ledger", "calibrate", "replay", "ablations"}  # tables of figures, no picture
 
 
 def _bench(name: str, out: Path, home: Path) -> dict:
@@ -41,8 +41,11 @@ def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token
     ways = result["ways"]
     assert set(ways) == {
         "alone", "fcfs", "priority", "kvlease", "kvlease-quiet",
-        "lru", "fifo", "reserve-lease", "reserve-never",
+        "reserve-never", "reserve-lease", "no-lease-order", "no-admission", "fifo",
+        "fcfs-service", "lru",
     }  # fmt: skip
+    table = (out / "policy-quick.md").read_text()
+    assert all(f"| {way} | " in table for way in ways if way != "kvlease-quiet")
     full = {w: ways[w]["requests"] for w in ways if w != "alone"}
     assert len(set(full.values())) == 1, full  # every way replays the same requests
     # Premium alone never runs short here: nothing preempted, so nothing recomputed.
@@ -68,6 +71,20 @@ def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token
     # What the caps allow a leased next turn at best: a fraction wherever a tier leased.
     bounds = [t["leased_prefix_cap_bound"] for t in ways["kvlease"]["tiers"].values()]
     assert all(0 < b <= 1 for b in bounds if b is not None)
+
+
+def test_ablations_replay_the_same_requests_every_way_at_scale(out, kvlease_home):
+    from bench.ablations import WAYS
+
+    result = _bench("ablations", out, kvlease_home)
+    ways = result["ways"]
+    assert tuple(ways) == WAYS
+    assert {w["requests"] for w in ways.values()} == {result["requests"]}  # none lost
+    assert all(w["engine_steps"] > 0 and w["clock_seconds"] > 0 for w in ways.values())
+    # The trace puts the pool under pressure, or the table would measure nothing.
+    assert all(sum(t["preemptions"] for t in w["tiers"].values()) > 0 for w in ways.values())
+    table = (out / "ablations-quick.md").read_text()
+    assert all(f"| {way} | " in table for way in WAYS)
 
 
 def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_home):

@@ -156,11 +156,11 @@ def test_replacing_keeps_vllms_order():
     ours.check()
 
 
-def _leased_queue(caps=(4, 6)):
+def _leased_queue(caps=(4, 6), retains=True):
     """A queue whose blocks 0..N-1 are free; `standard` is leasing tier 0 and `premium`
     tier 1 (least important first)."""
     blocks = _blocks(hashed=range(N))
-    queue = TenantFreeBlockQueue(blocks, N, leased_caps=list(caps))
+    queue = TenantFreeBlockQueue(blocks, N, leased_caps=list(caps), retains=retains)
     holders = {
         "standard": Holder("s", "standard", "s1", 0, protected=True),
         "premium": Holder("p", "premium", "p1", 1, protected=True),
@@ -209,9 +209,10 @@ lease_ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=lease_ops, caps=st.tuples(st.integers(0, 8), st.integers(0, 8)))
-def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, caps):
-    blocks, queue, holders = _leased_queue(caps)
+@given(ops=lease_ops, caps=st.tuples(st.integers(0, 8), st.integers(0, 8)), retains=st.booleans())
+def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, caps, retains):
+    """Also with `retains` off (the lease-eviction-order ablation): nothing is RETAINED."""
+    blocks, queue, holders = _leased_queue(caps, retains)
     held: list[int] = [b.block_id for b in queue.popleft_n(N)]
     for op, pick, k in ops:
         if op == "take":
@@ -230,6 +231,8 @@ def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, ca
             queue.retain(holder)
             holder.reserving = bool(k % 2)
         queue.check()  # includes: each RESERVED segment within its cap
+        if not retains:
+            assert all(h.leased == h.reserved for h in holders.values())
         reserved = queue.reserved_sizes()
         assert all(n <= cap for n, cap in zip(reserved, caps, strict=True))
         # Whatever the reservations hold, a request of the least class may take the rest.

@@ -144,7 +144,7 @@ def test_the_json_report_has_every_figure_the_readme_promises_and_the_html_is_se
     wanted = {
         "requests", "ttft_p50_steps", "ttft_p99_steps", "ttft_p50_s", "ttft_p99_s",
         "preemptions", "recomputed_tokens", "leased_next_turn_hit", "kv_block_hours",
-        "fair_share_ratio", "cost",
+        "kv_retention_hours", "fair_share_ratio", "cost",
     }  # fmt: skip
     for side in ("current", "proposed"):
         for tier, figures in report[side]["tiers"].items():
@@ -153,6 +153,8 @@ def test_the_json_report_has_every_figure_the_readme_promises_and_the_html_is_se
             assert wanted | {"tier"} <= set(figures), (side, tenant)
         waited = [t for t in report[side]["tenants"].values() if t["fair_share_ratio"]]
         assert waited, "some tenant waited beside another of its tier"
+    tiers = report["current"]["tiers"]
+    assert tiers["premium"]["kv_retention_hours"] > 0 == tiers["free"]["kv_retention_hours"]
     page = (folder / "r.html").read_text()
     assert page.count("<script") >= 6 and "src=" not in page.split("<body>", 1)[0]
     assert "http://" not in page.split("plotly")[0]
@@ -231,3 +233,29 @@ def test_a_stride_of_decode_steps_changes_no_figure(demo_model):
             )
 
         assert seen(one) == seen(many)
+
+
+def test_stock_vllm_replays_the_same_requests_and_kvlease_bills_its_retention(demo_model):
+    """The ablation table's stock columns (bench/ablations.py): vLLM's own scheduler, by
+    FCFS or by tier priority, replays every request; only kvlease's leases hold blocks
+    between turns, and the replay bills that retention to premium and standard only."""
+    from replay.clock import StepCost
+    from replay.report import summarize
+    from replay.simulate import simulate
+
+    turns = generate(replace(SPEC, tenants=(4, 8, 20), duration=30.0))
+    tiers = TierTable.load()
+    limits = {"max_num_seqs": 128, "max_num_batched_tokens": 2048}
+    runs = {
+        way: simulate(turns, tiers, 64, StepCost.fixed(SPS), demo_model, stock=stock, **limits)
+        for way, stock in (("fcfs", "fcfs"), ("priority", "priority"), ("kvlease", None))
+    }
+    counts = {way: len(r.served) for way, r in runs.items()}
+    assert len(set(counts.values())) == 1 and counts["kvlease"] > 0
+    ttft = {
+        way: max(s.ttft_steps for s in r.served if s.tier == "premium") for way, r in runs.items()
+    }
+    assert ttft["priority"] <= ttft["fcfs"]  # priority = tier does serve premium sooner
+    assert all(s.reserved_seconds == s.retained_seconds == 0 for s in runs["priority"].served)
+    figures = summarize(runs["kvlease"], tiers)["tiers"]
+    assert figures["premium"]["kv_retention_hours"] > 0 == figures["free"]["kv_retention_hours"]

@@ -160,11 +160,19 @@ def test_sessions_stay_on_their_rank_and_find_their_lease_on_turn_two(fleet):
 
     def turn_twos():
         rows = [r for r in _raw_export(db) if r["tenant_id"] == "chat-co"]
-        return rows if len(rows) == 12 else None
+        requests = [r for r in rows if r["outcome"] != "retention"]
+        return rows if len(requests) == 12 and len(rows) == 18 else None
 
-    rows = until_scraped(turn_twos, "12 chat-co records in the shared ledger")
-    covered = sorted(int(r["lease_covered_tokens"]) for r in rows)
+    rows = until_scraped(turn_twos, "12 chat-co records and 6 retention ones in the ledger")
+    requests = [r for r in rows if r["outcome"] != "retention"]
+    covered = sorted(int(r["lease_covered_tokens"]) for r in requests)
     assert covered[:6] == [0] * 6 and all(n > 0 for n in covered[6:])  # the leased turns
+    # Each session's time between its turns, written by the API process that owned its
+    # first turn's request, whichever rank held the blocks.
+    first = {r["request_id"]: r["session_id"] for r in requests if r["lease_covered_tokens"] == "0"}
+    kept = {r["request_id"].removesuffix(":retention"): r for r in rows if r not in requests}
+    assert {k: r["session_id"] for k, r in kept.items()} == first
+    assert all(float(r["kv_reserved_block_seconds"]) > 0 for r in kept.values())
 
 
 def test_per_rank_blocks_add_up_to_the_whole(fleet):
@@ -274,7 +282,7 @@ def test_the_fleet_adds_up_in_prometheus_the_dashboard_grafana_and_the_export(fl
     # The usage export on the shared ledger: one record per request, ids unique, and
     # the tokens each replica counted.
     def ledger():
-        rows = _raw_export(db)
+        rows = [r for r in _raw_export(db) if r["outcome"] != "retention"]
         return rows if len(rows) == sum(SENT.values()) else None
 
     rows = until_scraped(ledger, "a record per request in the shared ledger")

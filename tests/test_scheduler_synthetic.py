@@ -558,3 +558,60 @@ def test_a_next_turn_closes_the_time_between_turns_and_a_free_turn_holds_nothing
     assert record.reserved_block_seconds == pytest.approx(held * 3)  # 100 tokens: 3 blocks
     assert record.retained_block_seconds == 0.0
     _run_on(scheduler, clock)
+
+
+# -- each mechanism can be turned off, for the ablations of bench/policy.py ----------------
+
+
+def _reasons(scheduler) -> set[str]:
+    return {e.reason for e in scheduler.events.drain() if type(e).__name__ == "Preemption"}
+
+
+def _premium_into_a_full_pool(scheduler) -> tuple[set[str], bool]:
+    """Free work holds most of the pool when a premium request arrives: (the preemption
+    reasons of its step, whether premium was admitted in it)."""
+    for prompt in (300, 40):
+        scheduler.add_request(make_request("free-1", "free", prompt, 200))
+    step(scheduler)
+    vip = make_request("vip", "premium", 400, 10)  # 13 blocks: 11 are free
+    scheduler.add_request(vip)
+    out, _ = step(scheduler)
+    return _reasons(scheduler), vip.request_id in out.num_scheduled_tokens
+
+
+def test_without_admission_preemption_a_waiting_tier_never_preempts_a_running_one(demo_model):
+    on = _scheduler(TenantAwareScheduler, demo_model)
+    assert _premium_into_a_full_pool(on) == ({"admit_higher_tier"}, True)
+    off = _scheduler(TenantAwareScheduler, demo_model, admission_preemption=False)
+    assert _premium_into_a_full_pool(off) == (set(), False)  # it waits, as with stock vLLM
+    _run(off)
+
+
+def test_without_class_ordered_service_running_is_first_come_first_served_and_victims_by_class(
+    demo_model,
+):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, class_service=False)
+
+    def admission_order(s):
+        keys = [s._service_key(r) for r in s.running]
+        assert keys == sorted(keys) and {k[0] for k in keys} <= {(0, 0, 0)}
+
+    for i in range(12):
+        scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
+    _run(scheduler, each_step=admission_order)
+    assert scheduler.preemptions, "the trace must create pressure"
+    # The victim is still the lowest class running: premium only when nothing lower runs.
+    assert not [p for p in scheduler.preemptions if p[0] == "premium" and set(p[1]) - {"premium"}]
+
+
+def test_without_lease_eviction_order_a_closed_window_leaves_plain_cached_blocks(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, lease_order=False)
+    scheduler.clock = clock = ManualClock()
+    chat = _conversation(140, seed=3)
+    _turn_on(scheduler, clock, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
+    holder = scheduler._holders[("pam", "c")]
+    assert (holder.leased, holder.reserved) == (4, 4)  # the reservation still holds
+    clock.now += 61.0
+    _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
+    assert (holder.leased, holder.cached) == (0, 4)  # not retained: LRU, as vLLM's
+    assert scheduler.leases.active(("pam", "c"))

@@ -27,6 +27,16 @@ def test_additional_config_wins_over_environment():
     assert SchedulerSettings.load({}, env={"KVLEASE_RESERVE": "never"}).reserve == "never"
 
 
+def test_every_mechanism_is_on_unless_turned_off_for_an_ablation():
+    on = SchedulerSettings.load({}, env={})
+    assert (on.lease_order, on.admission_preemption, on.class_service) == (True, True, True)
+    off = SchedulerSettings.load(
+        {"kvlease": {"lease_order": False}},
+        env={"KVLEASE_ADMISSION_PREEMPTION": "0", "KVLEASE_CLASS_SERVICE": "off"},
+    )
+    assert (off.lease_order, off.admission_preemption, off.class_service) == (False, False, False)
+
+
 @pytest.mark.parametrize(
     ("additional", "env", "message"),
     [
@@ -35,6 +45,7 @@ def test_additional_config_wins_over_environment():
         ({"kvlease": {"sample_seconds": 0}}, {}, "sample_seconds must be > 0"),
         ({}, {"KVLEASE_EVENT_CAPACITY": "lots"}, "KVLEASE_EVENT_CAPACITY must be a number"),
         ({}, {"KVLEASE_RESERVE": "always"}, "KVLEASE_RESERVE must be one of 'auto'"),
+        ({}, {"KVLEASE_CLASS_SERVICE": "maybe"}, "KVLEASE_CLASS_SERVICE must be true or false"),
     ],
 )
 def test_bad_settings_name_the_setting(additional, env, message):
