@@ -129,11 +129,10 @@ def markdown(result: dict[str, Any]) -> str:
     for way in ("kvlease", *ABLATIONS, "priority", "fcfs"):
         w = ways[way]
         t = w["tiers"]
-        hits = []
-        for tier in TIERS[:2]:
-            hit, bound = t[tier]["leased_prefix_hit"], t[tier]["leased_prefix_cap_bound"]
-            of_bound = f" ({hit / bound:.0%})" if hit is not None and bound else ""
-            hits.append("-" if hit is None else f"{hit:.0%}{of_bound}")
+        hits = [
+            report.hit_cell(t[tier]["leased_prefix_hit"], t[tier]["leased_prefix_cap_bound"])
+            for tier in TIERS[:2]
+        ]
         ratio = {
             k: w[k] / max(1e-9, base[k])
             for k in ("engine_steps", "clock_seconds", "wasted_prefill_tokens")

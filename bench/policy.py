@@ -430,13 +430,13 @@ def ablation_table(ways: dict[str, dict]) -> list[str]:
     for way in ("kvlease", *ABLATIONS, "priority", "fcfs"):
         w = ways[way]
         t = w["tiers"]
-        hits = []
-        for tier in TIERS[:2]:
-            v = t.get(tier, {})
-            hit, bound = v.get("leased_prefix_hit"), v.get("leased_prefix_cap_bound")
-            hits.append(
-                "-" if hit is None else f"{hit:.0%} ({hit / bound:.0%})" if bound else f"{hit:.0%}"
+        hits = [
+            report.hit_cell(
+                t.get(tier, {}).get("leased_prefix_hit"),
+                t.get(tier, {}).get("leased_prefix_cap_bound"),
             )
+            for tier in TIERS[:2]
+        ]
         prem, free = t[top]["ttft_steps"], t[bottom]["ttft_steps"]
         ratio = {
             key: w[key] / max(1e-9, base[key])

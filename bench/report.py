@@ -44,6 +44,13 @@ def write(out: Path, name: str, result: dict[str, Any], markdown: str) -> None:
     (out / f"{name}.md").write_text(f"Machine: {result['machine']}\n\n{markdown}")
 
 
+def hit_cell(hit: float | None, bound: float | None) -> str:
+    """A leased next-turn hit, and in brackets its share of what the caps allow."""
+    if hit is None:
+        return "-"
+    return f"{hit:.0%} ({hit / bound:.0%})" if bound else f"{hit:.0%}"
+
+
 def targets_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| target | wanted | measured | met |", "|---|---|---|---|"]
     for row in rows:

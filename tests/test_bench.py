@@ -79,7 +79,10 @@ def test_ablations_replay_the_same_requests_every_way_at_scale(out, kvlease_home
     result = _bench("ablations", out, kvlease_home)
     ways = result["ways"]
     assert tuple(ways) == WAYS
-    assert {w["requests"] for w in ways.values()} == {result["requests"]}  # none lost
+    # Every way serves the same requests; the trace's turns past the context limit are
+    # left out alike.
+    assert len({(w["requests"], w["dropped_turns"]) for w in ways.values()}) == 1
+    assert all(w["requests"] + w["dropped_turns"] == result["requests"] for w in ways.values())
     assert all(w["engine_steps"] > 0 and w["clock_seconds"] > 0 for w in ways.values())
     # The trace puts the pool under pressure, or the table would measure nothing.
     assert all(sum(t["preemptions"] for t in w["tiers"].values()) > 0 for w in ways.values())
@@ -97,13 +100,13 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         if r["pressure"]:
             assert min(r["preemptions"].values()) > 0
         else:
-            assert r["preemptions"] == {"stock": 0, "kvlease": 0, "stock-again": 0}
+            assert set(r["preemptions"].values()) == {0}  # all four schedulers
         assert r["stock_again_ratio"] > 0  # the noise floor: stock against itself
         # Stock keeps most of the n slots busy; kvlease's leases reserve part of the
         # pressure pool, so it may run fewer, and the per-request ratio compares the cost.
         assert r["scheduled_per_step"]["stock"] >= 0.7 * r["running"]
         assert r["scheduled_per_step"]["kvlease"] >= 0.4 * r["running"]
-        assert r["ratio_per_request"] > 0
+        assert r["ratio_per_request"] > 0 and r["unreserved_ratio_per_request"] > 0
 
 
 def test_fair_share_serves_a_heavy_and_light_tenants_of_one_tier_alike(out, kvlease_home):
