@@ -28,7 +28,7 @@ from engine.events import RequestDone, Retention
 from engine.tenancy import TierTable
 from replay.clock import StepCost
 from replay.sessions import Arrival, StepTrace
-from replay.synthetic import BLOCK, make_request, make_scheduler, step
+from replay.synthetic import BLOCK, counting_stock_scheduler, make_request, make_scheduler, step
 
 MAX_STRIDE = 1024
 MAX_CONTEXT = 1400  # as bench/policy.py: a session ends before its context passes this
@@ -125,7 +125,7 @@ def simulate(
 
     kvlease = {**({"tiers": tiers_path} if tiers_path else {}), **(settings or {})}
     scheduler = make_scheduler(
-        TenantAwareScheduler if stock is None else _counting_stock(),
+        TenantAwareScheduler if stock is None else counting_stock_scheduler(),
         model,
         pool_blocks,
         max_num_seqs=max_num_seqs,
@@ -203,27 +203,6 @@ def simulate(
         books = dict(scheduler.accounting.fair_share_tokens)
     first = min((s.arrival_s for s in served), default=0.0)
     return Replay(served, steps, calls, end - first, trace.dropped, books)
-
-
-def _counting_stock() -> type:
-    """vLLM's Scheduler, counting each request's preemptions and the computed tokens they
-    threw away (what kvlease's RequestDone reports); it changes no decision."""
-    from collections import Counter
-
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    class CountingScheduler(Scheduler):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.preempted: Counter[str] = Counter()
-            self.thrown: Counter[str] = Counter()
-
-        def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-            self.preempted[request.request_id] += 1
-            self.thrown[request.request_id] += request.num_computed_tokens
-            return super()._preempt_request(request, *args, **kwargs)
-
-    return CountingScheduler
 
 
 def _admit(

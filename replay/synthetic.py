@@ -10,6 +10,7 @@ Each sampled token is token id 7.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
@@ -127,3 +129,21 @@ def step(scheduler: Any, out: Any = None, stride: int = 1) -> Any:
         sampled_token_ids=sampled,
     )
     return out, scheduler.update_from_output(out, runner_output)
+
+
+def counting_stock_scheduler() -> type:
+    """vLLM's Scheduler, counting each request's preemptions and the computed tokens they
+    threw away (what kvlease's RequestDone reports); it changes no decision."""
+
+    class CountingScheduler(Scheduler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.preempted: Counter[str] = Counter()
+            self.thrown: Counter[str] = Counter()
+
+        def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+            self.preempted[request.request_id] += 1
+            self.thrown[request.request_id] += request.num_computed_tokens
+            return super()._preempt_request(request, *args, **kwargs)
+
+    return CountingScheduler

@@ -172,7 +172,11 @@ def test_sessions_stay_on_their_rank_and_find_their_lease_on_turn_two(fleet):
     first = {r["request_id"]: r["session_id"] for r in requests if r["lease_covered_tokens"] == "0"}
     kept = {r["request_id"].removesuffix(":retention"): r for r in rows if r not in requests}
     assert {k: r["session_id"] for k, r in kept.items()} == first
-    assert all(float(r["kv_reserved_block_seconds"]) > 0 for r in kept.values())
+    # Reserved or only retained: once three of the tenant's sessions had ended a turn
+    # without coming back yet, its return rate reserved nothing (engine.reservations).
+    held = [float(r["kv_reserved_block_seconds"]) + float(r["kv_retained_block_seconds"])
+            for r in kept.values()]  # fmt: skip
+    assert all(h > 0 for h in held)
 
 
 def test_per_rank_blocks_add_up_to_the_whole(fleet):
