@@ -67,13 +67,33 @@ def decode_point(llm, n: int, repeats: int) -> float:
 
 
 def fit(points: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """(base, per prompt token, per decoding request) seconds, none negative: a step
+    cannot get cheaper with more work, however noisy the timings of a busy machine.
+    Least squares over every subset of the three terms (exact non-negative least
+    squares for three unknowns), the best fit whose terms are all >= 0."""
+    import itertools
+
     import numpy as np
 
     # Each row divided by its time: the fit minimises relative error, so a 2 ms step
     # counts as much as a 20 ms one.
     a = np.array([[1.0 / t, p / t, d / t] for p, d, t in points])
-    (base, prefill, decode), *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
-    return float(base), float(prefill), float(decode)
+    ones = np.ones(len(points))
+    best: tuple[float, list[float]] | None = None
+    for k in (3, 2, 1):
+        for columns in itertools.combinations(range(3), k):
+            x, *_ = np.linalg.lstsq(a[:, columns], ones, rcond=None)
+            if (x < 0).any():
+                continue
+            full = [0.0, 0.0, 0.0]
+            for column, value in zip(columns, x, strict=True):
+                full[column] = float(value)
+            residual = float(np.sum((a @ np.array(full) - ones) ** 2))
+            if best is None or residual < best[0]:
+                best = (residual, full)
+    assert best is not None  # one column alone always fits with a positive weight
+    base, prefill, decode = best[1]
+    return base, prefill, decode
 
 
 def main() -> int:
