@@ -162,6 +162,7 @@ class EngineState(msgspec.Struct):
     events_dropped: int
     totals: Totals
     fair_share: list[FairShareRow] = []  # every tenant each tier's fair share tracks
+    reserved_caps: dict[str, int] = {}  # leasing tier -> blocks its reservations may hold now
 
 
 class Message(msgspec.Struct):

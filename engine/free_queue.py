@@ -20,7 +20,9 @@ session's latest context only: when the session's last request in flight frees i
 blocks, the session's leased blocks that request did not reuse are demoted first. A
 tier's RESERVED segment holds at most its cap: at the cap, the tier's oldest reserved
 block moves to the back of its RETAINED segment, so the sessions that were active
-last, the likeliest to send a next turn, keep their reservation. When a lease
+last, the likeliest to send a next turn, keep their reservation. The cap starts at the
+tier table's and moves below it with what the reservations return (engine.payback reads
+`reserved_left` and `reserved_reused`, and sets it with `set_caps`). When a lease
 expires its blocks move to the front of CACHED: they are the stalest prefixes.
 With no owner set, every append lands in CACHED and the queue behaves exactly
 like vLLM's (a differential test checks this).
@@ -132,6 +134,10 @@ class TenantFreeBlockQueue:
         self._cap = [0] * self._first_reserved + list(leased_caps)
         self._count = [0] * nseg  # blocks in each RETAINED and RESERVED segment
         self.reserved_blocks = 0  # in every RESERVED segment: 0 means nothing is reserved
+        # Blocks that left each RESERVED segment (least important leasing tier first), and
+        # of those the ones a next turn reused: what a reservation returns (cumulative).
+        self.reserved_left = [0] * self._tiers
+        self.reserved_reused = [0] * self._tiers
         self._segment = [EMPTY] * num_blocks
         self._owner: list[Holder | None] = [None] * num_blocks
         self._free = 0  # every free block
@@ -198,6 +204,9 @@ class TenantFreeBlockQueue:
     def remove(self, block: Block) -> None:
         if block.prev_free_block is None or block.next_free_block is None:
             raise RuntimeError(f"remove() called on an invalid block: {block}")
+        seg = self._segment[block.block_id]
+        if seg >= self._first_reserved:  # a prefix hit on a reserved block
+            self.reserved_reused[seg - self._first_reserved] += 1
         self._unlink(block, evicting=False)
 
     def append(self, block: Block) -> None:
@@ -275,6 +284,15 @@ class TenantFreeBlockQueue:
             self._insert_before(self._seps[retained + 1], block, retained, holder)
         return len(moved)
 
+    def set_caps(self, caps: Sequence[int]) -> None:
+        """New RESERVED caps (least important leasing tier first); a segment over its new
+        cap demotes its oldest blocks to RETAINED. O(tiers + blocks demoted)."""
+        for i, cap in enumerate(caps):
+            seg = self._first_reserved + i
+            self._cap[seg] = cap
+            while self._count[seg] > cap:
+                self._demote_oldest(seg)
+
     def take_evictions(self) -> list[Holder]:
         """Holders with evictions since the last call; the caller reads and zeroes pending_*."""
         evicting, self.evicting = self.evicting, []
@@ -322,6 +340,8 @@ class TenantFreeBlockQueue:
         assert sum(reserved) == self.reserved_blocks, "reserved block total out of sync"
         for s in range(self._first_reserved, len(self._count)):
             assert self._count[s] <= self._cap[s], "reserved cap exceeded"
+        for left, reused in zip(self.reserved_left, self.reserved_reused, strict=True):
+            assert reused <= left, "more reserved blocks reused than left their segment"
         for owner, count in counts.items():
             held = [owner.cached, owner.leased, owner.reserved]
             assert held == count, "holder counts out of sync"
@@ -390,6 +410,7 @@ class TenantFreeBlockQueue:
             if seg >= self._first_reserved:
                 owner.reserved -= 1
                 self.reserved_blocks -= 1
+                self.reserved_left[seg - self._first_reserved] += 1
         else:
             owner.cached -= 1
         if evicting and block.block_hash is not None:

@@ -71,6 +71,7 @@ class ReservePolicy:
     quantile: float = 0.9  # of the think times: how many returns the window should catch
     max_seconds: float = 60.0  # the longest window, whatever the history says
     min_return: float = 0.5  # below this return rate nothing is reserved
+    min_payback: float = 1.0  # tokens of prefill saved per step it turns work away (payback)
 
 
 @dataclass(slots=True)

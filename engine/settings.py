@@ -31,6 +31,7 @@ KEYS = {
     "lease_order": "KVLEASE_LEASE_ORDER",
     "admission_preemption": "KVLEASE_ADMISSION_PREEMPTION",
     "class_service": "KVLEASE_CLASS_SERVICE",
+    "reserve_payback": "KVLEASE_RESERVE_PAYBACK",
 }
 
 
@@ -52,6 +53,7 @@ class SchedulerSettings:
     lease_order: bool = True  # off: a lease's unreserved blocks are plain LRU cached blocks
     admission_preemption: bool = True  # off: a waiting higher tier never preempts (stock)
     class_service: bool = True  # off: `running` is served first come first served (stock)
+    reserve_payback: bool = True  # off: reservation caps stay at the tier table's (no payback)
 
     @classmethod
     def load(
@@ -97,7 +99,7 @@ class SchedulerSettings:
         fair = _flag(raw["fair_share"], True, where("fair_share"))
         switches = {
             key: _flag(raw[key], True, where(key))
-            for key in ("lease_order", "admission_preemption", "class_service")
+            for key in ("lease_order", "admission_preemption", "class_service", "reserve_payback")
         }
         capacity = number("event_capacity", 0, 65536)
         assert capacity is not None

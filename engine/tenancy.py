@@ -30,6 +30,7 @@ _TIER_KEYS = frozenset({"priority", "lease_seconds", "leased_cache_cap", "prices
 _OPTIONAL_TIER_KEYS = frozenset(
     {"max_concurrent_requests", "weight", "max_weight", "max_tenant_kv_share"}
     | {"reserve", "reserve_quantile", "reserve_max_seconds", "reserve_min_return"}
+    | {"reserve_min_payback"}
 )
 _PRICE_KEYS = ("input_per_1k", "cached_input_per_1k", "output_per_1k", "block_hour")
 # KV retention between turns (optional; a table or a price basis written before them has
@@ -329,12 +330,18 @@ def _parse_reservation(body: Mapping[str, Any], where: str, fail) -> ReservePoli
     least = _number(
         body.get("reserve_min_return", default.min_return), f"{where}: 'reserve_min_return'", fail
     )
-    if not (0.0 < quantile <= 1.0 and most >= 0.0 and 0.0 <= least <= 1.0):
+    payback = _number(
+        body.get("reserve_min_payback", default.min_payback),
+        f"{where}: 'reserve_min_payback'",
+        fail,
+    )
+    if not (0.0 < quantile <= 1.0 and most >= 0.0 and 0.0 <= least <= 1.0 and payback >= 0.0):
         raise fail(
-            f"{where}: need 0 < 'reserve_quantile' <= 1, 'reserve_max_seconds' >= 0 and "
-            f"0 <= 'reserve_min_return' <= 1; got {quantile!r}, {most!r}, {least!r}"
+            f"{where}: need 0 < 'reserve_quantile' <= 1, 'reserve_max_seconds' >= 0, "
+            f"0 <= 'reserve_min_return' <= 1 and 'reserve_min_payback' >= 0; got "
+            f"{quantile!r}, {most!r}, {least!r}, {payback!r}"
         )
-    return ReservePolicy(mode, quantile, most, least)
+    return ReservePolicy(mode, quantile, most, least, payback)
 
 
 def _parse_prices(body: Any, where: str, fail) -> Prices:

@@ -76,6 +76,7 @@ from engine.fairness import INPUT_COST, OUTPUT_COST, Account, FairShare  # noqa:
 from engine.free_queue import Holder, TenantFreeBlockQueue  # noqa: E402
 from engine.labels import UNCLASSIFIED, TenantLabels  # noqa: E402
 from engine.leases import LeaseBook  # noqa: E402
+from engine.payback import PaybackTuner  # noqa: E402
 from engine.policy import (  # noqa: E402
     Candidate,
     CostModel,
@@ -270,6 +271,10 @@ class TenantSchedulingMixin:
             for tier in tiers.values()
         }
         self._check_lease_caps(list(caps), usable)
+        paybacks = [self._reserve_policy[name].min_payback for name in caps]
+        if not self.settings.reserve_payback:
+            paybacks = [0.0] * len(paybacks)
+        self._payback = PaybackTuner(self._caps, self.block_size, paybacks)
         self._free_queue = self._install_free_queue()
         self._allocate = self.kv_cache_manager.allocate_slots  # vLLM's, bound
         self._wrapped_allocate = self._allocate_slots  # one bound method, compared by identity
@@ -337,8 +342,9 @@ class TenantSchedulingMixin:
     def _install_free_queue(self) -> TenantFreeBlockQueue:
         """Replace the pool's free queue with a tenant queue holding the same blocks, in order."""
         pool = self._pool
+        self._payback.rebase()  # the new queue counts departures from 0
         queue = TenantFreeBlockQueue.replacing(
-            pool.free_block_queue, len(pool.blocks), self._caps, self.settings.lease_order
+            pool.free_block_queue, len(pool.blocks), self._payback.caps, self.settings.lease_order
         )
         pool.free_block_queue = queue
         return queue
@@ -515,6 +521,9 @@ class TenantSchedulingMixin:
 
     def schedule(self, *args: Any, **kwargs: Any):
         self._expire_leases()  # first: windows and leases end at their own times
+        queue = self._free_queue
+        if self._payback.update(queue.reserved_left, queue.reserved_reused):
+            queue.set_caps(self._payback.caps)
         if self.clock() - self._last_sample >= self.settings.sample_seconds:
             # Close the interval before this step allocates: after an idle spell the
             # holdings now are what the idle engine held, not what this step will take.
@@ -637,6 +646,12 @@ class TenantSchedulingMixin:
                 blocks = self._allocate(request, *args, **kwargs)
             finally:
                 queue.unreserve()
+            if (
+                blocks is None
+                and self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
+                <= queue.num_free_blocks
+            ):  # the pool held the blocks: the reservation refused
+                self._payback.refused(self._steps, t.reserve_from, queue.reserved_sizes())
         else:  # nothing is reserved: vLLM's call as it is (the common, cheap case)
             blocks = self._allocate(request, *args, **kwargs)
         if blocks is None and running and self.policy == SchedulingPolicy.FCFS:
@@ -1117,6 +1132,7 @@ class TenantSchedulingMixin:
                 retention_block_seconds=[(*k, v) for k, v in self.retention.totals.items()],
             ),
             fair_share=fair,
+            reserved_caps=dict(zip(self._lease_index, self._payback.caps, strict=True)),
         )
 
     def _fair_share_rows(self) -> list[FairShareRow]:

@@ -198,6 +198,13 @@ WAITING = Family(
 RUNNING = Family(
     "vllm_tenant_running_requests", "gauge", "Requests the scheduler is running.", ("engine",)
 )
+RESERVED_CAP = Family(
+    "vllm_tenant_kv_reserved_cap_blocks",
+    "gauge",
+    "KV blocks a leasing tier's reservations may hold now: the tier table's leased_cache_cap, "
+    "lowered while the reservation does not pay for the work it turns away (reserve_min_payback).",
+    ("tier", "engine"),
+)
 LEDGER_RECORDS = Family(
     "vllm_tenant_ledger_records_total",
     "counter",
@@ -263,6 +270,7 @@ FAMILIES = (
     E2E,
     WAITING,
     RUNNING,
+    RESERVED_CAP,
     LEDGER_RECORDS,
     LEDGER_ERRORS,
     LEDGER_DEAD_LETTERS,
@@ -392,6 +400,8 @@ class TenantMetrics:
             fam[RUNNING.name].add_metric([e], state.running)
             for tier, n in state.waiting_by_tier.items():
                 fam[WAITING.name].add_metric([tier, e], n)
+            for tier, n in state.reserved_caps.items():
+                fam[RESERVED_CAP.name].add_metric([tier, e], n)
             offloaded = dict(state.totals.offloaded_blocks)
             for tenant, held in sorted(state.tenants.items()):
                 for kind in BLOCK_STATES:

@@ -68,4 +68,8 @@ def merge_states(states: list[EngineState]) -> EngineState:
             }
         ),
         fair_share=[row for s in states for row in s.fair_share],
+        reserved_caps={
+            tier: sum(s.reserved_caps.get(tier, 0) for s in states)
+            for tier in {tier for s in states for tier in s.reserved_caps}
+        },
     )

@@ -196,11 +196,12 @@ def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
     queue.check()
 
 
+# take and free blocks, end a lease or a window, reuse a free block, move a tier's cap
+LEASE_OPS = ("take", "free_plain", "free_standard", "free_premium", "expire", "window")
+LEASE_OPS += ("hit", "recap")
 lease_ops = st.lists(
     st.tuples(
-        st.sampled_from(
-            ["take", "free_plain", "free_standard", "free_premium", "expire", "window"]
-        ),
+        st.sampled_from(LEASE_OPS),
         st.integers(0, 10_000),
         st.integers(1, 6),
     ),
@@ -230,6 +231,14 @@ def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, ca
             holder = holders["standard" if pick % 2 else "premium"]
             queue.retain(holder)
             holder.reserving = bool(k % 2)
+        elif op == "hit":  # a next turn reuses a free block (vLLM's touch)
+            free = queue.get_all_free_blocks()
+            if free:
+                block = free[pick % len(free)]
+                queue.remove(block)
+                held.append(block.block_id)
+        elif op == "recap":  # the payback tuner moves a cap within the tier table's
+            queue.set_caps([pick % (cap + 1) if i == k % 2 else cap for i, cap in enumerate(caps)])
         queue.check()  # includes: each RESERVED segment within its cap
         if not retains:
             assert all(h.leased == h.reserved for h in holders.values())
@@ -240,6 +249,24 @@ def test_reservations_never_exceed_the_caps_and_leave_the_rest_to_anyone(ops, ca
         queue.reserve(0)
         assert queue.num_free_blocks >= total - sum(caps)
         queue.unreserve()
+
+
+def test_reserved_blocks_are_counted_as_they_leave_and_a_lower_cap_retains_the_oldest():
+    """What the payback tuner reads: blocks leaving each RESERVED segment, and of those the
+    ones a next turn reused (a prefix hit, `remove`), not the ones demoted or taken."""
+    blocks, queue, holders = _leased_queue(caps=(4, 6))
+    queue.popleft_n(N)
+    _free_as(queue, blocks, holders["premium"], [5, 6, 7, 8, 9])
+    queue.remove(blocks[9])  # the session's next turn reuses one block
+    queue.set_caps([4, 2])  # premium's cap shrinks: its two newest blocks stay reserved
+    queue.check()
+    assert queue.reserved_sizes() == [0, 2]
+    assert [b.block_id for b in queue.get_all_free_blocks()] == [5, 6, 7, 8]
+    assert holders["premium"].reserved == 2 and holders["premium"].leased == 4
+    _free_as(queue, blocks, holders["premium"], [10])  # at the new cap: the oldest goes
+    assert queue.reserved_sizes() == [0, 2]
+    assert (queue.reserved_left, queue.reserved_reused) == ([0, 4], [0, 1])
+    queue.check()
 
 
 def test_a_closed_reservation_window_leaves_blocks_to_anyone_but_after_every_cached_one():

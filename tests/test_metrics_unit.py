@@ -99,7 +99,8 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
                 fair_share_tokens=[["acme", "premium", 96.0, 192.0]],
             )
             | {"fair_share": [{"tenant_id": "acme", "tier": "premium", "counter": 480.0,
-                               "ratio": 0.5, "waiting": 3}]},
+                               "ratio": 0.5, "waiting": 3}],
+               "reserved_caps": {"standard": 6, "premium": 3}},
         },
     )  # fmt: skip
     metrics = TenantMetrics(view, tiers, TenantLabels())
@@ -121,6 +122,7 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
     assert value("vllm_tenant_running_requests") == 4
     assert value("vllm_tenant_waiting_requests", tier="free") == 3
     assert value("vllm_tenant_waiting_requests", tier=UNCLASSIFIED) == 2
+    assert value("vllm_tenant_kv_reserved_cap_blocks", tier="premium", engine="0") == 3
     assert value("vllm_tenant_ledger_write_errors") == 0
     assert (
         value(

@@ -615,3 +615,28 @@ def test_without_lease_eviction_order_a_closed_window_leaves_plain_cached_blocks
     _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
     assert (holder.leased, holder.cached) == (0, 4)  # not retained: LRU, as vLLM's
     assert scheduler.leases.active(("pam", "c"))
+
+
+@pytest.mark.parametrize(("payback", "cap"), [(True, 1), (False, 4)])
+def test_a_reservation_that_only_turns_work_away_shrinks_to_one_block(demo_model, payback, cap):
+    """Premium sessions that never come back, each reserving its 4 blocks (the tier's cap
+    on 23) for its lease and pushing out the last one's, while free requests outgrow the
+    unreserved pool: the reservation turns work away step after step and saves nothing,
+    so the payback tuner shrinks premium's cap a quarter per generation (16 blocks gone)
+    to one block by the thirteenth session, unless it is off."""
+    scheduler = _scheduler(
+        TenantAwareScheduler, demo_model, reserve="lease", reserve_payback=payback
+    )
+    scheduler.clock = clock = ManualClock()
+    premium = scheduler._lease_index["premium"]
+    for n in range(13):
+        prompt = _conversation(140, seed=40 + n)
+        scheduler.add_request(make_request(f"p{n}", "premium", 0, 2, session="c", prompt=prompt))
+        for _ in range(3):
+            scheduler.add_request(make_request("fay", "free", 100, 120))
+        _run_on(scheduler, clock, seconds_per_step=0.01)  # within every lease
+    queue = scheduler._free_queue
+    assert queue.reserved_left[premium] >= 12 * 4 and queue.reserved_reused[premium] == 0
+    assert scheduler._payback.caps[premium] == cap
+    assert queue.reserved_sizes()[premium] == cap
+    queue.check()

@@ -28,13 +28,18 @@ def test_additional_config_wins_over_environment():
 
 
 def test_every_mechanism_is_on_unless_turned_off_for_an_ablation():
+    switches = ("lease_order", "admission_preemption", "class_service", "reserve_payback")
     on = SchedulerSettings.load({}, env={})
-    assert (on.lease_order, on.admission_preemption, on.class_service) == (True, True, True)
+    assert [getattr(on, key) for key in switches] == [True] * 4
     off = SchedulerSettings.load(
         {"kvlease": {"lease_order": False}},
-        env={"KVLEASE_ADMISSION_PREEMPTION": "0", "KVLEASE_CLASS_SERVICE": "off"},
+        env={
+            "KVLEASE_ADMISSION_PREEMPTION": "0",
+            "KVLEASE_CLASS_SERVICE": "off",
+            "KVLEASE_RESERVE_PAYBACK": "no",
+        },
     )
-    assert (off.lease_order, off.admission_preemption, off.class_service) == (False, False, False)
+    assert [getattr(off, key) for key in switches] == [False] * 4
 
 
 @pytest.mark.parametrize(

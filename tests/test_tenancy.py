@@ -175,6 +175,10 @@ def test_missing_file_names_the_path(tmp_path):
             lambda s: s.replace("priority = 5", "priority = 5\nreserve_min_return = 2"),
             "0 <= 'reserve_min_return' <= 1",
         ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\nreserve_min_payback = -1"),
+            "'reserve_min_payback' >= 0",
+        ),
     ],
 )
 def test_invalid_tier_files_fail_with_a_precise_message(tmp_path, edit, message):
