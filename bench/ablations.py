@@ -112,8 +112,7 @@ def summarize(result: Any, tiers: TierTable, pool: int) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    ways, base = result["ways"], result["ways"]["priority"]
-    top, bottom = TIERS[0], TIERS[-1]
+    ways = result["ways"]
     lines = [
         f"Machine: {result['machine']}",
         "",
@@ -121,32 +120,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['hours']:g} h of traffic, {result['pool_blocks']} blocks, calibrated CPU "
         "clock; every ratio against stock PRIORITY in this run.",
         "",
-        "| way | engine steps | clock s | wasted prefill | premium TTFT steps mean / p99 "
-        "| leased hit premium / standard (of what the caps allow) | free worst TTFT steps "
-        "| preemptions |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for way in ("kvlease", *ABLATIONS, "priority", "fcfs"):
-        w = ways[way]
-        t = w["tiers"]
-        hits = [
-            report.hit_cell(t[tier]["leased_prefix_hit"], t[tier]["leased_prefix_cap_bound"])
-            for tier in TIERS[:2]
-        ]
-        ratio = {
-            k: w[k] / max(1e-9, base[k])
-            for k in ("engine_steps", "clock_seconds", "wasted_prefill_tokens")
-        }
-        prem, free = t[top]["ttft_steps"], t[bottom]["ttft_steps"]
-        free_ratio = free["max"] / max(1e-9, base["tiers"][bottom]["ttft_steps"]["max"])
-        lines.append(
-            f"| {way} | {w['engine_steps']:,} ({ratio['engine_steps']:.2f}x) "
-            f"| {w['clock_seconds']:,.0f} ({ratio['clock_seconds']:.2f}x) "
-            f"| {w['wasted_prefill_tokens']:,} ({ratio['wasted_prefill_tokens']:.2f}x) "
-            f"| {prem['mean']:.1f} / {prem['p99']:.0f} | {' / '.join(hits)} "
-            f"| {free['max']:,.0f} ({free_ratio:.2f}x) "
-            f"| {sum(v['preemptions'] for v in t.values()):,} |"
-        )
+    order = ("kvlease", *ABLATIONS, "priority", "fcfs")
+    lines += report.ablation_rows(ways, order, "clock_seconds", "clock s", TIERS, preemptions=True)
     return "\n".join(lines) + "\n"
 
 

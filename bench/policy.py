@@ -17,7 +17,8 @@ plus the ablations, kvlease with one mechanism off or changed (ABLATION_SETTINGS
 before issue 30), `no-lease-order` (a lease's unreserved blocks are plain LRU cached
 blocks), `no-admission` (a waiting higher tier never preempts running lower-tier work),
 `fifo` (fair share off), `fcfs-service` (`running` served first come, first served, not
-by class) and `lru` (the seed's victim rule); and `kvlease-quiet`, kvlease with all
+by class), `lru` (the seed's victim rule) and `no-payback` (reservation caps stay at the
+tier table's, engine.payback); and `kvlease-quiet`, kvlease with all
 telemetry off, for the cost of telemetry. Every
 way but `alone` plays the trace `--repeats` times, in an order rotated each round,
 and its wall time is the median (the step figures are the same every time). An
@@ -63,6 +64,7 @@ ABLATION_SETTINGS: dict[str, dict[str, Any]] = {
     "fifo": {"fair_share": False},  # FIFO within a tier (before issue 18)
     "fcfs-service": {"class_service": False},  # `running` served first come, first served
     "lru": {"victim_rule": "lru"},  # the seed's victim rule
+    "no-payback": {"reserve_payback": False},  # reservation caps never shrink (engine.payback)
 }
 ABLATIONS = tuple(ABLATION_SETTINGS)
 
@@ -362,7 +364,7 @@ def main() -> int:
     name = "policy-quick" if args.quick else f"policy-{trace_name}" if args.one_shot else "policy"
     report.write(args.out, name, result, markdown(result))
     report.plot_ttft(args.out / f"{name}.png", ways, TIERS)
-    reservations = ("priority", "reserve-never", "kvlease", "reserve-lease")
+    reservations = ("priority", "reserve-never", "kvlease", "no-payback", "reserve-lease")
     report.plot_frontier(args.out / f"{name}-frontier.png", ways, reservations, TIERS[0])
     print(markdown(result))
     if records != loud_requests:
@@ -412,45 +414,10 @@ def markdown(result: dict) -> str:
             f"{w['wall_seconds']:.2f} | {w['recomputed_tokens']:,} | "
             f"{w['context_recomputed_tokens']:,} | {w['wasted_prefill_tokens']:,} |"
         )
-    lines += ["", *ablation_table(ways), "", report.targets_table(result["targets"])]
+    order = ("kvlease", *ABLATIONS, "priority", "fcfs")
+    ablation = report.ablation_rows(ways, order, "wall_seconds", "wall s (median)", TIERS)
+    lines += ["", *ablation, "", report.targets_table(result["targets"])]
     return "\n".join(lines) + "\n"
-
-
-def ablation_table(ways: dict[str, dict]) -> list[str]:
-    """What each mechanism buys: kvlease, then kvlease with one of them off, then stock;
-    ratios against stock PRIORITY in the same run."""
-    top, bottom = TIERS[0], TIERS[-1]
-    base = ways["priority"]
-    lines = [
-        "| way | engine steps | wall s (median) | wasted prefill | premium TTFT steps "
-        "mean / p99 | leased hit premium / standard (of what the caps allow) "
-        "| free worst TTFT steps |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for way in ("kvlease", *ABLATIONS, "priority", "fcfs"):
-        w = ways[way]
-        t = w["tiers"]
-        hits = [
-            report.hit_cell(
-                t.get(tier, {}).get("leased_prefix_hit"),
-                t.get(tier, {}).get("leased_prefix_cap_bound"),
-            )
-            for tier in TIERS[:2]
-        ]
-        prem, free = t[top]["ttft_steps"], t[bottom]["ttft_steps"]
-        ratio = {
-            key: w[key] / max(1e-9, base[key])
-            for key in ("engine_steps", "wall_seconds", "wasted_prefill_tokens")
-        }
-        free_ratio = free["max"] / max(1e-9, base["tiers"][bottom]["ttft_steps"]["max"])
-        lines.append(
-            f"| {way} | {w['engine_steps']:,} ({ratio['engine_steps']:.2f}x) "
-            f"| {w['wall_seconds']:.2f} ({ratio['wall_seconds']:.2f}x) "
-            f"| {w['wasted_prefill_tokens']:,} ({ratio['wasted_prefill_tokens']:.2f}x) "
-            f"| {prem['mean']:.1f} / {prem['p99']:.0f} | {' / '.join(hits)} "
-            f"| {free['max']:.0f} ({free_ratio:.2f}x) |"
-        )
-    return lines
 
 
 if __name__ == "__main__":

@@ -51,6 +51,55 @@ def hit_cell(hit: float | None, bound: float | None) -> str:
     return f"{hit:.0%} ({hit / bound:.0%})" if bound else f"{hit:.0%}"
 
 
+def ablation_rows(
+    ways: dict[str, dict[str, Any]],
+    order: Sequence[str],
+    seconds: str,
+    title: str,
+    tiers: Sequence[str],
+    preemptions: bool = False,
+) -> list[str]:
+    """The ablation table (bench/policy.py on the real engine, bench/ablations.py at
+    scale): per way, steps, `seconds` (headed `title`), wasted prefill, premium TTFT,
+    the leased hit of the two leasing tiers and the lowest tier's worst TTFT, each against
+    stock PRIORITY (`ways["priority"]`); `preemptions` adds their count."""
+    top, bottom = tiers[0], tiers[-1]
+    base = ways["priority"]
+    lines = [
+        f"| way | engine steps | {title} | wasted prefill "
+        "| premium TTFT steps mean / p99 | leased hit premium / standard (of what the caps "
+        "allow) | free worst TTFT steps |" + (" preemptions |" if preemptions else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if preemptions else ""),
+    ]
+    for way in order:
+        w = ways[way]
+        t = w["tiers"]
+        hits = [
+            hit_cell(
+                t.get(tier, {}).get("leased_prefix_hit"),
+                t.get(tier, {}).get("leased_prefix_cap_bound"),
+            )
+            for tier in tiers[:2]
+        ]
+        ratio = {
+            key: w[key] / max(1e-9, base[key])
+            for key in ("engine_steps", seconds, "wasted_prefill_tokens")
+        }
+        prem, free = t[top]["ttft_steps"], t[bottom]["ttft_steps"]
+        free_ratio = free["max"] / max(1e-9, base["tiers"][bottom]["ttft_steps"]["max"])
+        line = (
+            f"| {way} | {w['engine_steps']:,} ({ratio['engine_steps']:.2f}x) "
+            f"| {w[seconds]:,.2f} ({ratio[seconds]:.2f}x) "
+            f"| {w['wasted_prefill_tokens']:,} ({ratio['wasted_prefill_tokens']:.2f}x) "
+            f"| {prem['mean']:.1f} / {prem['p99']:.0f} | {' / '.join(hits)} "
+            f"| {free['max']:,.0f} ({free_ratio:.2f}x) |"
+        )
+        if preemptions:
+            line += f" {sum(v['preemptions'] for v in t.values()):,} |"
+        lines.append(line)
+    return lines
+
+
 def targets_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| target | wanted | measured | met |", "|---|---|---|---|"]
     for row in rows:
