@@ -24,7 +24,9 @@ as little of vLLM as it can and copies none of `schedule()`:
   are evicted last, and while a request allocates, the prefixes more important
   tiers reserve are hidden from it (unless nothing else runs). A session's
   prefix is reserved after a turn only for its window (`engine.reservations`,
-  decided in `_end_turn`), then retained until its lease ends.
+  decided in `_end_turn`), then retained until its lease ends. Each tier's
+  reservation cap shrinks while it turns away more work than its reuse saves
+  (`engine.payback`: refusals counted in `_allocate_slots`, caps set in `schedule`).
 - `_preempt_request`, `_free_request`, `_free_request_blocks` and the deferred
   frees are wrapped to record events, leases and accounting.
 """
@@ -208,6 +210,8 @@ class TenantSchedulingMixin:
       tenant label and tier (engine.reservations). `_windows`: a heap of reservation
       ends (until, seq, session); an entry whose holder has since renewed its window
       (`reserved_until` differs) is skipped. O(log n) per turn.
+    - `_payback`: each leasing tier's reservation cap and what its reservation has
+      returned and cost (engine.payback); O(tiers) a step.
     - `retention`: the open time-between-turns of each leased session, metered into
       reserved and retained block-seconds (engine.retention); O(open episodes) a sample.
     - `accounting` holds cumulative totals, exact whatever happens to `events`
@@ -681,7 +685,10 @@ class TenantSchedulingMixin:
 
     def _place_victim(self, request: Request) -> None:
         """Among the requests of the lowest class that vLLM has not yet served this step
-        (`request` and those behind it), move the cheapest to lose to the end.
+        (those behind `request`; `request` itself only when none of them can be), move
+        the cheapest to lose to the end. vLLM stops serving `running` for the step once it
+        preempts the request it is allocating for, so choosing that one while a victim
+        stands behind it would leave every request behind it unserved for the step.
 
         Unclassified requests keep vLLM's own victim (the newest), so an engine that serves
         no tenant preempts exactly as stock vLLM does. O(requests of that class).
@@ -703,7 +710,8 @@ class TenantSchedulingMixin:
         """Scanning `running` from the end back to `request`, within class `klass` (the
         scan stops at another class) or among `account`'s requests, move the first victim
         by `within_class_key` (furthest above its fair share, then the victim rule);
-        `by_class`: the lowest class first, then that key."""
+        `by_class`: the lowest class first, then that key. `request` itself is a candidate
+        only if nobody behind it is (see `_place_victim`)."""
         running, rule = self.running, self.settings.victim_rule
         best, best_key = -1, None
         for i in range(len(running) - 1, -1, -1):
@@ -712,6 +720,8 @@ class TenantSchedulingMixin:
             if klass is not None and t.key[0] != klass:
                 break
             mine = account is None or t.account is account
+            if candidate is request and best >= 0:
+                break  # a victim behind it: vLLM then goes on to serve them all
             if mine and self._request_blocks_can_be_freed(candidate):
                 key = within_class_key(
                     rule, candidate.num_computed_tokens, candidate.arrival_time, self._counter(t)

@@ -91,6 +91,27 @@ def test_victim_within_a_tenant_follows_the_configured_rule(rule, first_victim, 
     assert first.request_id in {r.request_id for r in scheduler.waiting}
 
 
+def test_the_request_being_served_is_its_own_victim_only_when_nobody_behind_it_can_be(
+    demo_model,
+):
+    """vLLM stops serving `running` for the step once it preempts the request it is
+    allocating for: picking that one while a victim stands behind it would leave every
+    request behind it unserved. So the cheapest victim *behind* it goes to the end."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, blocks=64)
+    a, b, c = (make_request("fay", "free", n, 50) for n in (20, 100, 60))  # one counter
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    step(scheduler)  # computed 20, 100 and 60 tokens: the least work is a's, then c's
+    for order, serving, after in (
+        ([a, c, b], a, [a, b, c]),  # c, the cheapest behind a, goes last, not a
+        ([c, a, b], c, [c, b, a]),  # a is behind c: a
+        ([b, c, a], a, [b, c, a]),  # nobody behind a: a itself (it is last already)
+    ):
+        scheduler.running[:] = order
+        scheduler._place_victim(serving)
+        assert scheduler.running == after
+
+
 def test_unclassified_requests_are_preempted_first(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
     scheduler.add_request(make_request(None, None, 60, 300))
