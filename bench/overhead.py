@@ -17,7 +17,8 @@ steady state of prefills and decodes with `n` requests running at most
   of it from lower tiers, so it runs fewer requests per step than stock here:
   the ratio per scheduled request compares the cost of the same work. A fourth
   scheduler, kvlease with nothing reserved (`reserve = never`), shows what the
-  reservations take from the requests scheduled per step.
+  reservations take from the requests scheduled per step, and a fifth, untimed,
+  kvlease with every mechanism off (EVERY_MECHANISM_OFF), what is left of the gap.
 Requests come from 32 tenants in the three tiers (1:3:8), one session each.
 The schedulers (stock, kvlease, and stock again for the noise floor) are timed in
 turn, each going first in turn, `--repeats` times, with the heap
@@ -44,6 +45,16 @@ RESULTS = Path(__file__).parent / "results"
 PROMPT = 60
 OUTPUT = 64  # a request holds 2 blocks at first and 4 at its end
 WARMUP_STEPS = 2 * OUTPUT  # past the first wave: arrivals and finishes are mixed
+# kvlease with every mechanism it can switch off switched off (bench.policy's ablations at
+# once): under pressure, what of the requests scheduled per step the mechanisms cost
+EVERY_MECHANISM_OFF = {
+    "reserve": "never",
+    "lease_order": False,
+    "admission_preemption": False,
+    "class_service": False,
+    "fair_share": False,
+    "victim_rule": "lru",
+}
 
 
 def tier_of(i: int) -> str:
@@ -124,6 +135,9 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         for name in names[i % len(names) :] + names[: i % len(names)]:  # each first in turn
             seconds, scheduled[name] = time_steps(loads[name], steps)
             best[name] = min(best[name], seconds)
+    if pressure:  # not timed: only how many requests it schedules
+        off = build(TenantAwareScheduler, model, n, pressure, EVERY_MECHANISM_OFF)
+        scheduled["kvlease-off"] = time_steps(off, steps)[1]
     return {
         "running": n,
         "pressure": pressure,
@@ -213,15 +227,18 @@ def main() -> int:
 def markdown(result: dict) -> str:
     lines = [
         "| requests | pressure | scheduled per step (stock / kvlease / kvlease, nothing "
-        "reserved) | stock us/step | kvlease us/step | ratio per step | ratio per scheduled "
-        "request (nothing reserved) | noise floor: stock / stock |",
+        "reserved / every mechanism off) | stock us/step | kvlease us/step | ratio per step "
+        "| ratio per scheduled request (nothing reserved) | noise floor: stock / stock |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        off = r["scheduled_per_step"].get("kvlease-off")
         lines.append(
             f"| {r['running']:,} | {'yes' if r['pressure'] else 'no'} | "
             f"{r['scheduled_per_step']['stock']:.0f} / {r['scheduled_per_step']['kvlease']:.0f}"
-            f" / {r['scheduled_per_step']['kvlease-unreserved']:.0f} | {r['stock_us']:.0f} | "
+            f" / {r['scheduled_per_step']['kvlease-unreserved']:.0f}"
+            f" / {'-' if off is None else f'{off:.0f}'}"
+            f" | {r['stock_us']:.0f} | "
             f"{r['kvlease_us']:.0f} | {r['ratio']:.3f} | {r['ratio_per_request']:.3f} "
             f"({r['unreserved_ratio_per_request']:.3f}) | {r['stock_again_ratio']:.3f} |"
         )

@@ -99,6 +99,7 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         assert min(r["requests_sent"].values()) > r["running"] * 5 // 4  # requests finished
         if r["pressure"]:
             assert min(r["preemptions"].values()) > 0
+            assert r["scheduled_per_step"]["kvlease-off"] > 0
         else:
             assert set(r["preemptions"].values()) == {0}  # all four schedulers
         assert r["stock_again_ratio"] > 0  # the noise floor: stock against itself
