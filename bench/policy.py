@@ -108,9 +108,7 @@ def play(
     llm.reset_prefix_cache()
     step = 0
     if hasattr(scheduler, "leases"):  # kvlease's lease clock follows the steps of this run
-        from engine.reservations import ReturnModel
-
-        scheduler.returns = ReturnModel()  # no think times yet, as on a fresh server
+        scheduler.forget_history()  # no think times or payback yet, as on a fresh server
         origin = time.monotonic() + 10_000.0 * (1 + _runs(scheduler))  # past every older lease
         scheduler.clock = lambda: origin + step / steps_per_second
     live: dict[str, Request] = {}

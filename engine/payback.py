@@ -87,7 +87,13 @@ class PaybackTuner:
             self.caps[i] = cap
         return changed
 
-    def rebase(self) -> None:
-        """The free queue was replaced (a prefix-cache reset): its counts start at 0."""
+    def rebase(self, left: Sequence[int], reused: Sequence[int]) -> None:
+        """Count the next generation from the free queue's counts `left` and `reused` (a
+        replaced queue counts from 0)."""
+        self._left, self._reused = list(left), list(reused)
+
+    def forget(self) -> None:
+        """Forget what the reservations returned and cost: caps back at their limits."""
         n = len(self.limits)
-        self._left, self._reused = [0] * n, [0] * n
+        self.caps = list(self.limits)
+        self._refused, self._gain, self._spent = [0.0] * n, [0.0] * n, [0.0] * n

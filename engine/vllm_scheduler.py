@@ -346,7 +346,7 @@ class TenantSchedulingMixin:
     def _install_free_queue(self) -> TenantFreeBlockQueue:
         """Replace the pool's free queue with a tenant queue holding the same blocks, in order."""
         pool = self._pool
-        self._payback.rebase()  # the new queue counts departures from 0
+        self._payback.rebase([0] * len(self._caps), [0] * len(self._caps))  # a new count
         queue = TenantFreeBlockQueue.replacing(
             pool.free_block_queue, len(pool.blocks), self._payback.caps, self.settings.lease_order
         )
@@ -924,6 +924,15 @@ class TenantSchedulingMixin:
             )
         )
         return result
+
+    def forget_history(self) -> None:
+        """Forget the think times sessions have shown and what reservations returned, as a
+        freshly started server knows neither (benchmark runs and tests sharing an engine)."""
+        self.returns = ReturnModel()
+        queue = self._free_queue
+        self._payback.forget()
+        self._payback.rebase(queue.reserved_left, queue.reserved_reused)
+        queue.set_caps(self._payback.caps)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         self._preempt_reason = "cache_reset"

@@ -81,15 +81,14 @@ def recording(cls: type) -> type:
 
 
 def settle(engine: Engine) -> None:
-    """Expire every lease, forget every think time and empty the prefix cache, so tests
-    do not see each other (one test's one-shot sessions would end another's reservations)."""
+    """Expire every lease, forget every think time and reservation payback and empty the
+    prefix cache, so tests do not see each other (one test's one-shot sessions would end
+    another's reservations)."""
     scheduler = engine.scheduler
     if hasattr(scheduler, "leases"):
-        from engine.reservations import ReturnModel
-
         if not isinstance(scheduler.clock, OffsetClock):
             scheduler.clock = OffsetClock()
         scheduler.clock.offset += 10_000
         scheduler._expire_leases()
-        scheduler.returns = ReturnModel()
+        scheduler.forget_history()
     assert engine.llm.reset_prefix_cache()

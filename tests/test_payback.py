@@ -107,3 +107,14 @@ def test_a_cap_stays_between_one_block_and_the_tier_tables(limits, events):
         tuner.update(left, reused)
         for cap, limit in zip(tuner.caps, limits, strict=True):
             assert (cap == 0) if limit == 0 else 1 <= cap <= limit
+
+
+def test_forgetting_puts_the_caps_back_and_counts_from_the_queues_counts():
+    tuner = PaybackTuner([12], BLOCK, [1.0])
+    queue = Queue(1)
+    queue.unpaid(tuner, 3)
+    assert tuner.caps == [4]  # 12, 9, 6, 4
+    tuner.forget()
+    tuner.rebase(queue.left, queue.reused)
+    assert tuner.caps == [12]
+    assert not tuner.update(queue.left, queue.reused)  # nothing has left since
