@@ -685,10 +685,11 @@ class TenantSchedulingMixin:
 
     def _place_victim(self, request: Request) -> None:
         """Among the requests of the lowest class that vLLM has not yet served this step
-        (those behind `request`; `request` itself only when none of them can be), move
-        the cheapest to lose to the end. vLLM stops serving `running` for the step once it
-        preempts the request it is allocating for, so choosing that one while a victim
-        stands behind it would leave every request behind it unserved for the step.
+        (`request` and those behind it), move the cheapest to lose to the end. vLLM stops
+        serving `running` for the step once it preempts the request it is allocating for,
+        so `request` itself counts one more token of loss per request behind it (each
+        left unserved for the step): it is its own victim only when nobody behind it can
+        be, or when that still costs less than the cheapest victim behind it.
 
         Unclassified requests keep vLLM's own victim (the newest), so an engine that serves
         no tenant preempts exactly as stock vLLM does. O(requests of that class).
@@ -710,8 +711,8 @@ class TenantSchedulingMixin:
         """Scanning `running` from the end back to `request`, within class `klass` (the
         scan stops at another class) or among `account`'s requests, move the first victim
         by `within_class_key` (furthest above its fair share, then the victim rule);
-        `by_class`: the lowest class first, then that key. `request` itself is a candidate
-        only if nobody behind it is (see `_place_victim`)."""
+        `by_class`: the lowest class first, then that key. `request` itself competes at
+        its computed tokens plus one per request behind it (see `_place_victim`)."""
         running, rule = self.running, self.settings.victim_rule
         best, best_key = -1, None
         for i in range(len(running) - 1, -1, -1):
@@ -720,9 +721,11 @@ class TenantSchedulingMixin:
             if klass is not None and t.key[0] != klass:
                 break
             mine = account is None or t.account is account
-            if candidate is request and best >= 0:
-                break  # a victim behind it: vLLM then goes on to serve them all
             if mine and self._request_blocks_can_be_freed(candidate):
+                if candidate is request and best >= 0:
+                    behind = len(running) - 1 - i  # unserved this step if it is preempted
+                    if candidate.num_computed_tokens + behind >= running[best].num_computed_tokens:
+                        break
                 key = within_class_key(
                     rule, candidate.num_computed_tokens, candidate.arrival_time, self._counter(t)
                 )

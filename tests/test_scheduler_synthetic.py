@@ -91,21 +91,21 @@ def test_victim_within_a_tenant_follows_the_configured_rule(rule, first_victim, 
     assert first.request_id in {r.request_id for r in scheduler.waiting}
 
 
-def test_the_request_being_served_is_its_own_victim_only_when_nobody_behind_it_can_be(
+def test_the_request_being_served_is_its_own_victim_only_when_that_still_costs_least(
     demo_model,
 ):
     """vLLM stops serving `running` for the step once it preempts the request it is
-    allocating for: picking that one while a victim stands behind it would leave every
-    request behind it unserved. So the cheapest victim *behind* it goes to the end."""
+    allocating for, leaving every request behind it unserved: so that request competes
+    as a victim at its computed tokens plus one per request behind it."""
     scheduler = _scheduler(TenantAwareScheduler, demo_model, blocks=64)
-    a, b, c = (make_request("fay", "free", n, 50) for n in (20, 100, 60))  # one counter
-    for request in (a, b, c):
+    a, b, c, d = (make_request("fay", "free", n, 50) for n in (58, 100, 60, 20))  # one counter
+    for request in (a, b, c, d):
         scheduler.add_request(request)
-    step(scheduler)  # computed 20, 100 and 60 tokens: the least work is a's, then c's
+    step(scheduler)  # computed 58, 100, 60 and 20 tokens
     for order, serving, after in (
-        ([a, c, b], a, [a, b, c]),  # c, the cheapest behind a, goes last, not a
-        ([c, a, b], c, [c, b, a]),  # a is behind c: a
-        ([b, c, a], a, [b, c, a]),  # nobody behind a: a itself (it is last already)
+        ([a, c, b], a, [a, b, c]),  # a: 58 + 2 behind >= c's 60: c, the cheapest behind, goes
+        ([d, c, b], d, [c, b, d]),  # d: 20 + 2 < c's 60: d itself, at the end for vLLM
+        ([b, c, a], a, [b, c, a]),  # nobody behind a: a itself
     ):
         scheduler.running[:] = order
         scheduler._place_victim(serving)
