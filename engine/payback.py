@@ -12,7 +12,9 @@ engine throughput for almost no reuse.
 
 The rule, per leasing tier, over its *generations* (each time as many blocks as
 GENERATION times its cap in the tier table have left its RESERVED segment, reused or
-not, and at least MIN_GENERATION):
+not, and at least MIN_GENERATION; or as soon as its reservation has refused work in
+MAX_REFUSALS steps, so blocks that sit reserved while turning work away are judged
+without waiting for them to leave):
 
     gain  = gain / 2  + block_size * (reserved blocks reused this generation)
     spent = spent / 2 + (steps this generation in which its reservation refused work)
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 
 GENERATION = 4  # a decision per this many tier caps' worth of reserved blocks gone
 MIN_GENERATION = 8  # and at least this many blocks
+MAX_REFUSALS = 64  # or once its reservation has refused work in this many steps
 
 
 class PaybackTuner:
@@ -74,7 +77,8 @@ class PaybackTuner:
         changed = False
         for i, limit in enumerate(self.limits):
             generation = max(MIN_GENERATION, GENERATION * limit)
-            if not (limit and self._min_payback[i]) or left[i] - self._left[i] < generation:
+            full = left[i] - self._left[i] >= generation or self._refused[i] >= MAX_REFUSALS
+            if not (limit and self._min_payback[i] and full):
                 continue
             self._gain[i] = self._gain[i] / 2 + (reused[i] - self._reused[i]) * self._block_size
             self._spent[i] = self._spent[i] / 2 + self._refused[i]

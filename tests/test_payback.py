@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.payback import GENERATION, PaybackTuner
+from engine.payback import GENERATION, MAX_REFUSALS, PaybackTuner
 
 BLOCK = 16
 
@@ -118,3 +118,15 @@ def test_forgetting_puts_the_caps_back_and_counts_from_the_queues_counts():
     tuner.rebase(queue.left, queue.reused)
     assert tuner.caps == [12]
     assert not tuner.update(queue.left, queue.reused)  # nothing has left since
+
+
+def test_blocks_that_sit_reserved_while_turning_work_away_are_judged_without_leaving():
+    """A session that always has a request in flight never ends a turn, so its reserved
+    blocks need not leave: the refused steps alone end a generation."""
+    tuner = PaybackTuner([12], BLOCK, [1.0])
+    for step in range(MAX_REFUSALS - 1):
+        tuner.refused(step, 0, [12])
+    assert not tuner.update([0], [0])
+    tuner.refused(MAX_REFUSALS, 0, [12])
+    assert tuner.update([0], [0])
+    assert tuner.caps == [9]

@@ -245,8 +245,10 @@ def _conversation(turn_tokens: int, seed: int) -> list[int]:
 def test_a_lower_tier_never_takes_a_running_lease_while_it_can_preempt_its_own(demo_model):
     """Pool 23 blocks; the shipped caps let premium leases hold 4. A premium session's
     4-block prefix stays while three free requests outgrow the 19 blocks left: they
-    preempt each other instead, and the premium's next turn finds its whole prefix."""
-    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    preempt each other instead, and the premium's next turn finds its whole prefix.
+    (With the payback on, a reservation that turns work away for 64 steps with nothing
+    reused shrinks: test_a_reservation_that_only_turns_work_away_shrinks_to_one_block.)"""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, reserve_payback=False)
     chat = _conversation(140, seed=1)
     _finish_turn(scheduler, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
     holder = scheduler._holders[("pam", "c")]
