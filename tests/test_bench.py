@@ -42,7 +42,7 @@ def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token
     assert set(ways) == {
         "alone", "fcfs", "priority", "kvlease", "kvlease-quiet",
         "reserve-never", "reserve-lease", "no-lease-order", "no-admission", "fifo",
-        "fcfs-service", "lru",
+        "fcfs-service", "lru", "no-payback",
     }  # fmt: skip
     table = (out / "policy-quick.md").read_text()
     assert all(f"| {way} | " in table for way in ways if way != "kvlease-quiet")
