@@ -48,6 +48,8 @@ class PaybackTuner:
     def __init__(self, limits: Sequence[int], block_size: int, min_payback: Sequence[float]):
         self.limits = list(limits)
         self.caps = list(limits)
+        # blocks that end a generation, per tier (fixed: the table's cap sets it)
+        self._generation = [max(MIN_GENERATION, GENERATION * limit) for limit in self.limits]
         self._block_size = block_size
         self._min_payback = list(min_payback)
         n = len(self.limits)
@@ -76,8 +78,9 @@ class PaybackTuner:
         free queue's cumulative counts); True if a cap changed."""
         changed = False
         for i, limit in enumerate(self.limits):
-            generation = max(MIN_GENERATION, GENERATION * limit)
-            full = left[i] - self._left[i] >= generation or self._refused[i] >= MAX_REFUSALS
+            full = (
+                left[i] - self._left[i] >= self._generation[i] or self._refused[i] >= MAX_REFUSALS
+            )
             if not (limit and self._min_payback[i] and full):
                 continue
             self._gain[i] = self._gain[i] / 2 + (reused[i] - self._reused[i]) * self._block_size

@@ -346,10 +346,10 @@ class TenantSchedulingMixin:
     def _install_free_queue(self) -> TenantFreeBlockQueue:
         """Replace the pool's free queue with a tenant queue holding the same blocks, in order."""
         pool = self._pool
-        self._payback.rebase([0] * len(self._caps), [0] * len(self._caps))  # a new count
         queue = TenantFreeBlockQueue.replacing(
             pool.free_block_queue, len(pool.blocks), self._payback.caps, self.settings.lease_order
         )
+        self._payback.rebase(queue.reserved_left, queue.reserved_reused)  # it counts anew
         pool.free_block_queue = queue
         return queue
 
@@ -636,12 +636,9 @@ class TenantSchedulingMixin:
         running = request.status is RUNNING
         if self._kv_caps and self._refused_by_kv_cap(request, running, args, kwargs):
             return None
-        if (
-            running
-            and len(args) == 1
-            and queue.free_unreserved
-            > self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
-        ):  # it fits in blocks nobody reserves: a reservation would change nothing
+        most = self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
+        if running and len(args) == 1 and queue.free_unreserved > most:
+            # it fits in blocks nobody reserves: a reservation would change nothing
             return self._allocate(request, *args, **kwargs)
         if queue.reserved_blocks and not leases_yield(len(self.running) - running):
             t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
@@ -650,11 +647,7 @@ class TenantSchedulingMixin:
                 blocks = self._allocate(request, *args, **kwargs)
             finally:
                 queue.unreserve()
-            if (
-                blocks is None
-                and self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
-                <= queue.num_free_blocks
-            ):  # the pool held the blocks: the reservation refused
+            if blocks is None and most <= queue.num_free_blocks:  # the reservation refused
                 self._payback.refused(self._steps, t.reserve_from, queue.reserved_sizes())
         else:  # nothing is reserved: vLLM's call as it is (the common, cheap case)
             blocks = self._allocate(request, *args, **kwargs)
