@@ -44,7 +44,8 @@ from bench import report
 from bench.postgres import postgres_cluster
 from dashboard.usage import load_finance
 from engine.tenancy import TierTable
-from exporters.billing import RAW_COLUMNS, csv_chunks, export_chunks, raw_rows
+from exporters.billing import RAW_COLUMNS, csv_chunks, raw_rows
+from exporters.exports import export_chunks
 from exporters.ledger import COLUMNS, UsageLedger, UsageRecord
 from server import cli
 

@@ -4,13 +4,16 @@ environment (see data.Config)."""
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, date, datetime, timedelta
 
 import pandas as pd
 import streamlit as st
 
 from dashboard import charts, data, usage, whatif
+from engine.budgets import BUDGETS_ENV, BudgetTable
 from engine.tenancy import TierTable
+from exporters import money, statement
 from exporters.billing import GRANULARITIES, parse_window
 
 DEFAULT_ENGINE = "http://127.0.0.1:8000"
@@ -40,6 +43,18 @@ def load_finance(url: str, start: float, end: float) -> usage.Finance:
 @st.cache_data(ttl=10, show_spinner=False, max_entries=32)
 def load_statement(url: str, tenant: str, start: float, end: float) -> usage.Statement:
     return usage.load_statement(url, tenant, start, end, tier_table())
+
+
+@st.cache_data(ttl=10, show_spinner=False, max_entries=16)
+def load_requests(url: str, tenant: str, start: float, end: float) -> pd.DataFrame:
+    return usage.load_requests(url, tenant, start, end, REQUESTS_SHOWN)
+
+
+@st.cache_resource
+def budget_table() -> BudgetTable | None:
+    """The budget file `kvlease serve` enforces ($KVLEASE_BUDGETS), if there is one."""
+    path = os.environ.get(BUDGETS_ENV)
+    return BudgetTable.load(path) if path else None
 
 
 @st.cache_data(ttl=30, show_spinner=False, max_entries=8)
@@ -160,16 +175,20 @@ def usage_page() -> None:
     if not CONFIG.usage_db:
         st.info("No usage ledger configured: start the dashboard with --usage-db URL.")
         return
-    today = datetime.now(UTC).date()
-    first = today.replace(day=1)
-    c1, c2, c3 = st.columns(3)
-    start = c1.date_input("From (UTC)", first, key="from")
-    end = c2.date_input("To (UTC, exclusive)", _next_month(first), key="to")
-    granularity = c3.selectbox("Granularity", GRANULARITIES, index=1, key="granularity")
+    c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
+    preset = c1.radio("Period", usage.PRESETS, horizontal=True, key="preset")
+    first, after = usage.preset_window(preset, datetime.now(UTC).date())
+    if preset == "Custom":
+        first = c2.date_input("From (UTC)", first, key="from")
+        after = c3.date_input("To (UTC, exclusive)", after, key="to")
+    else:
+        c2.caption(f"From {first} to {after} (UTC, exclusive)")
+    granularity = c4.selectbox("Granularity", GRANULARITIES, index=1, key="granularity")
     search = st.text_input("Search tenants", key="usage_search")
     try:
-        lo, hi = parse_window(str(start), str(end))
+        lo, hi = parse_window(str(first), str(after))
         finance = load_finance(CONFIG.usage_db, lo, hi)
+        budgets = usage.budget_status(finance.tenants, budget_table(), lo, hi, finance.currency)
     except (ValueError, data.SourceError) as err:
         st.error(str(err))
         return
@@ -178,28 +197,39 @@ def usage_page() -> None:
     if search:
         table = table[table["tenant_id"].str.contains(search, case=False, regex=False)]
     cost, before = sum(table["cost"]), sum(table["previous_cost"])
-    c1, c2, c3 = st.columns(3)
+    c1, c2, c3, c4 = st.columns(4)
     c1.metric(
         "Cost",
-        f"{cost:.4f} {currency}",
-        f"{cost - before:+.4f} vs the period before",
+        f"{money.shown(cost, currency)} {currency}",
+        f"{money.shown(cost - before, currency, sign=True)} vs the period before",
         delta_color="off",
     )
-    c2.metric("Requests", int(table["requests"].sum()))
-    c3.metric("Tenants", int((table["requests"] > 0).sum()))
+    c2.metric("Requests", f"{int(table['requests'].sum()):,}")
+    c3.metric("Tenants", f"{int((table['requests'] > 0).sum()):,}")
+    over = budgets[budgets["used"] >= usage.ALERT_RATIO] if not budgets.empty else budgets
+    c4.metric("Budgets nearly spent or exceeded", len(over) if not budgets.empty else "-")
     tiers = tier_table()
-    st.download_button(
+    name = f"kvlease-usage-{first}-{after}"
+    c1, c2 = st.columns(2)
+    c1.download_button(
         "Download FOCUS CSV",
-        lambda: usage.focus_csv(CONFIG.usage_db, lo, hi, granularity, tiers),
-        file_name=f"kvlease-usage-{start}-{end}-{granularity}.csv",
+        lambda: usage.export_csv(CONFIG.usage_db, lo, hi, "focus", granularity, tiers),
+        file_name=f"{name}-{granularity}.csv",
         mime="text/csv",
         help="The file `kvlease usage export` writes for this period and granularity.",
     )
-    by_tenant, over_time, statement, reconciliation = st.tabs(
-        ["Tenants", "Over time", "Statement", "Reconciliation"]
+    c2.download_button(
+        "Tenant summary CSV",
+        lambda: usage.export_csv(CONFIG.usage_db, lo, hi, "summary", granularity, tiers),
+        file_name=f"{name}-summary.csv",
+        mime="text/csv",
+        help="One row per tenant, its statement's total: `kvlease usage export --format summary`.",
+    )
+    by_tenant, over_time, statement_tab, requests_tab, reconciliation = st.tabs(
+        ["Tenants", "Over time", "Statement", "Requests", "Reconciliation"]
     )
     with by_tenant:
-        tenants_view(table, currency)
+        tenants_view(table, currency, budgets)
     with over_time:
         c1, c2 = st.columns(2)
         measure = c1.radio("Show", ["cost", "tokens"], horizontal=True, key="measure")
@@ -207,89 +237,98 @@ def usage_page() -> None:
         series = usage.over_time(finance.daily, by=stack, measure=measure)
         unit = currency if measure == "cost" else "tokens"
         st.plotly_chart(charts.over_time(series, unit, stack), key="over_time")
-    with statement:
+    with statement_tab:
         statement_view(finance, lo, hi)
+    with requests_tab:
+        requests_view(finance, lo, hi)
     with reconciliation:
         reconciliation_view(finance, lo, hi)
 
 
-def tenants_view(table: pd.DataFrame, currency: str) -> None:
-    shown = table.assign(
-        cost=[f"{c:.6f}" for c in table["cost"]],
-        change=[f"{c:+.6f}" for c in table["change"]],
-        change_pct=usage.change_percent(table),
-    ).drop(columns=["previous_cost"])
+def tenants_view(table: pd.DataFrame, currency: str, budgets: pd.DataFrame) -> None:
+    shown = usage.tenant_table(table, currency, budgets)
+    counts = {h: st.column_config.NumberColumn(h, format="localized") for h in shown.columns}
     st.dataframe(
-        shown.astype(dict.fromkeys(usage.HOURS, float)),
+        shown,
         hide_index=True,
         key="tenants",
         column_config={
-            "tenant_id": "tenant",
-            "input_tokens": "input tokens",
-            "cached_input_tokens": "cached input",
-            "output_tokens": "output tokens",
-            "recomputed_tokens": st.column_config.NumberColumn(
-                "recomputed", help="computed again after a preemption; never billed"
+            **{h: c for h, c in counts.items() if shown[h].dtype.kind in "if"},
+            "Tenant": st.column_config.TextColumn(pinned=True),
+            "Cost": st.column_config.TextColumn(f"Cost ({currency})", pinned=True),
+            "Change": st.column_config.TextColumn(
+                f"Change ({currency})", help="against the period of the same length before"
             ),
-            "lease_covered_tokens": st.column_config.NumberColumn(
-                "lease kept", help="prefix tokens its running leases were keeping at next turns"
+            "Budget this month": st.column_config.TextColumn(
+                help="spend against the monthly budget (KVLEASE_BUDGETS); shown when the "
+                "period is one calendar month"
             ),
-            "lease_reused_tokens": st.column_config.NumberColumn(
-                "lease reused", help="of those, served from the prefix cache: what leasing bought"
+            "Recomputed tokens (not billed)": st.column_config.NumberColumn(
+                format="localized", help="computed again after a preemption; never billed"
             ),
-            "block_hours": st.column_config.NumberColumn("KV block-hours", format="%.4f"),
-            "reserved_hours": st.column_config.NumberColumn(
-                "retention reserved",
-                format="%.4f",
-                help="KV retention: block-hours its leased sessions kept lower tiers out of "
-                "between turns",
-            ),
-            "retained_hours": st.column_config.NumberColumn(
-                "retention retained",
-                format="%.4f",
-                help="KV retention: block-hours its leased sessions' blocks were only evicted "
-                "last between turns",
-            ),
-            "cost": f"cost ({currency})",
-            "change": st.column_config.TextColumn(
-                f"change ({currency})", help="against the period of the same length before"
-            ),
-            "change_pct": st.column_config.NumberColumn("change %", format="%+.1f%%"),
         },
     )
     st.plotly_chart(charts.cost_bars(table[table["requests"] > 0], currency), key="cost_bars")
 
 
-def statement_view(finance: usage.Finance, lo: float, hi: float) -> None:
-    tenants = sorted(finance.tenants.loc[finance.tenants["requests"] > 0, "tenant_id"])
-    if not tenants:
+def _tenant_with_usage(finance: usage.Finance, key: str) -> str | None:
+    """A tenant picker over those with usage, largest cost first (so the statement never
+    opens on a tenant that owes nothing); None, said on the page, when there are none."""
+    owing = finance.tenants[finance.tenants["requests"] > 0]
+    if owing.empty:
         st.info("No usage in this period.")
+        return None
+    return st.selectbox("Tenant", list(owing["tenant_id"]), key=key)
+
+
+def statement_view(finance: usage.Finance, lo: float, hi: float) -> None:
+    if (tenant := _tenant_with_usage(finance, "statement_tenant")) is None:
         return
-    tenant = st.selectbox("Tenant", tenants, key="statement_tenant")
     try:
         s = load_statement(CONFIG.usage_db, tenant, lo, hi)
     except data.SourceError as err:
         st.error(str(err))
         return
-    st.dataframe(
-        s.lines.assign(cost=[f"{c:.6f}" for c in s.lines["cost"]]).astype(
-            dict.fromkeys(usage.HOURS, float)
-        ),
-        hide_index=True,
-        key="statement_lines",
-    )
-    st.metric("Statement total", f"{s.total:.6f} {s.currency}")
+    st.caption(f"Statement {s.number} · {s.account.name} · {s.period}")
+    st.dataframe(usage.statement_frame(s), hide_index=True, key="statement_lines")
+    st.metric("Statement total", f"{money.shown(s.total, s.currency)} {s.currency}")
     c1, c2 = st.columns(2)
-    name = f"kvlease-statement-{tenant}-{_day(lo)}-{_day(hi)}"
+    name = f"kvlease-statement-{s.number}"
     c1.download_button(
-        "Statement CSV", usage.statement_csv(s), file_name=f"{name}.csv", mime="text/csv"
+        "Statement CSV", statement.to_csv(s), file_name=f"{name}.csv", mime="text/csv"
     )
     c2.download_button(
         "Printable statement (HTML)",
-        usage.statement_html(s),
+        statement.to_html(s),
         file_name=f"{name}.html",
         mime="text/html",
-        help="A self-contained page: open it and print, or save as PDF.",
+        help="A self-contained A4 page: open it and print, or save as PDF.",
+    )
+
+
+REQUESTS_SHOWN = 500
+
+
+def requests_view(finance: usage.Finance, lo: float, hi: float) -> None:
+    if (tenant := _tenant_with_usage(finance, "requests_tenant")) is None:
+        return
+    try:
+        frame = load_requests(CONFIG.usage_db, tenant, lo, hi)
+    except data.SourceError as err:
+        st.error(str(err))
+        return
+    st.caption(
+        f"The newest {min(len(frame), REQUESTS_SHOWN):,} of {tenant}'s requests in the period."
+    )
+    st.dataframe(
+        frame,
+        hide_index=True,
+        key="requests",
+        column_config={
+            c: st.column_config.NumberColumn(format="localized")
+            for c in frame.columns
+            if frame[c].dtype.kind in "if"
+        },
     )
 
 
@@ -391,10 +430,6 @@ def what_if_result() -> None:
     c1.dataframe(whatif.movers_frame(value, "ttft_p99_s"), hide_index=True)
     c2.subheader(f"Cost ({value['current']['currency']}) moves most")
     c2.dataframe(whatif.movers_frame(value, "cost"), hide_index=True)
-
-
-def _day(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d")
 
 
 def _next_month(first: date) -> date:

@@ -2,20 +2,21 @@
 
 Every figure here is read from the hourly rollups (`exporters.rollups`) and priced
 with the export's own `exporters.billing.cost`, so a tenant's cost on the page is the
-sum of its FOCUS rows to the digit, and a month of millions of records is a query
-over thousands of rollups, not a read of every record.
+exact sum of its FOCUS rows' costs (shown in the currency's minor unit, as its statement
+total is: `exporters.money`), and a month of millions of records is a query over
+thousands of rollups, not a read of every record.
 
-Fetching (`load_finance`, `load_statement`, `focus_csv`, `PrometheusTotals`) is separate
-from shaping (`finance_frames`, `statement_lines`, `reconcile`, `over_time`), which
+Fetching (`load_finance`, `load_statement`, `export_csv`, `load_requests`,
+`PrometheusTotals`) is separate from shaping (`finance_frames`, `tenant_table`,
+`budget_status`, `statement_frame`, `requests_frame`, `reconcile`, `over_time`), which
 are pure and unit-tested. Failures are `SourceError`s with one sentence for the banner.
 """
 
 from __future__ import annotations
 
-import html
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -23,18 +24,20 @@ import httpx
 import pandas as pd
 
 from dashboard.data import SourceError
+from engine.budgets import ALERT_RATIO
 from engine.labels import OTHER as OTHER_TENANT
 from engine.tenancy import TierTable
 from exporters import metrics as m
+from exporters import money
 from exporters.billing import (
     MICROS_PER_HOUR,
     Charges,
     charge_groups,
-    csv_chunks,
-    export_chunks,
-    stamp,
+    period,
 )
+from exporters.exports import export_chunks
 from exporters.rollups import DAY, Rollup
+from exporters.statement import Statement, statement
 
 COUNTS = (
     "requests",
@@ -50,7 +53,6 @@ COUNTS = (
 HOURS = ("block_hours", "reserved_hours", "retained_hours")
 TENANT_COLUMNS = ["tenant_id", "tier", *COUNTS, *HOURS, "cost", "previous_cost", "change"]
 DAILY_COLUMNS = ["day", "tenant_id", "tier", *COUNTS, *HOURS, "cost"]
-LINE_COLUMNS = ["model", "tier", *COUNTS, *HOURS, "cost"]
 _MICROS = ("block_us", "reserved_us", "retained_us")  # what HOURS are summed from
 # Ledger figure -> (Prometheus counter, its label selector): both count finished requests.
 RECONCILED = {
@@ -90,6 +92,21 @@ def _readable(action):
         raise
     except Exception as exc:  # SQLAlchemy's errors vary by driver; the banner needs one line
         raise SourceError(f"The usage ledger is not readable ({one_line(exc)}).") from None
+
+
+PRESETS = ("This month", "Last month", "Last 30 days", "Custom")
+
+
+def preset_window(name: str, today: date) -> tuple[date, date]:
+    """[from, to) UTC dates of a period preset ("Custom" starts as this month)."""
+    first = today.replace(day=1)
+    if name == "Last month":
+        return (first - timedelta(days=1)).replace(day=1), first
+    if name == "Last 30 days":
+        return today - timedelta(days=29), today + timedelta(days=1)
+    if name in ("This month", "Custom"):
+        return first, (first + timedelta(days=32)).replace(day=1)
+    raise ValueError(f"a period preset is one of {PRESETS}, got {name!r}")
 
 
 def load_finance(url: str, start: float, end: float, tiers: TierTable) -> Finance:
@@ -194,6 +211,76 @@ def _by_tenant(tenants: dict[str, dict[str, Any]], before: dict[str, Decimal]) -
     return frame.sort_values(["cost", "tenant_id"], ascending=[False, True]).reset_index(drop=True)
 
 
+# The tenants table as a person reads it: who and what they owe first, plain headers.
+TENANT_HEADERS = {
+    "tenant_id": "Tenant",
+    "cost": "Cost",
+    "change": "Change",
+    "change_pct": "Change %",
+    "budget": "Budget this month",
+    "tier": "Tier",
+    "requests": "Requests",
+    "input_tokens": "Input tokens",
+    "cached_input_tokens": "Cached input tokens",
+    "output_tokens": "Output tokens",
+    "recomputed_tokens": "Recomputed tokens (not billed)",
+    "lease_covered_tokens": "Tokens a lease kept",
+    "lease_reused_tokens": "Tokens a lease served",
+    "preemptions": "Preemptions",
+    "block_hours": "KV block-hours",
+    "reserved_hours": "Retention reserved (block-hours)",
+    "retained_hours": "Retention retained (block-hours)",
+}
+EMPTY = "-"
+
+
+def tenant_table(
+    tenants: pd.DataFrame, currency: str, budgets: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """`Finance.tenants` for the page: tenant and cost first, money in the minor unit
+    (`exporters.money`), `-` for a figure that does not exist (no change without a
+    period before, no budget), counts left numeric for the table to sort and separate."""
+    out = tenants.assign(
+        cost=[money.shown(c, currency) for c in tenants["cost"]],
+        change=[money.shown(c, currency, sign=True) for c in tenants["change"]],
+        change_pct=[EMPTY if p is None else f"{p:+.1f}%" for p in change_percent(tenants)],
+        tier=[t or EMPTY for t in tenants["tier"]],
+        budget=EMPTY,
+    ).astype(dict.fromkeys(HOURS, float))
+    if budgets is not None and not budgets.empty:
+        status = dict(zip(budgets["tenant_id"], budgets["status"], strict=True))
+        out["budget"] = [status.get(t, EMPTY) for t in out["tenant_id"]]
+    return out[list(TENANT_HEADERS)].rename(columns=TENANT_HEADERS)
+
+
+def budget_status(
+    tenants: pd.DataFrame, table, start: float, end: float, currency: str
+) -> pd.DataFrame:
+    """Each budgeted tenant's spend in [start, end) against its monthly budget, when the
+    window is one calendar month (a budget covers one): tenant_id, spent, budget, used
+    (a fraction), status (`62% of 500.00`, `nearly spent`, `exceeded`). Empty otherwise."""
+    columns = ["tenant_id", "spent", "budget", "used", "status"]
+    if table is None or period(start, "month") != (start, end):
+        return pd.DataFrame(columns=columns)
+    spent = dict(zip(tenants["tenant_id"], tenants["cost"], strict=True))
+    rows = []
+    for tenant, budget in sorted(table.budgets.items()):
+        verdict = table.verdict(tenant, spent.get(tenant, Decimal(0)))
+        used = verdict.ratio
+        word = "exceeded" if verdict.exceeded else "nearly spent" if used >= ALERT_RATIO else ""
+        shown = f"{used:.0%} of {money.shown(budget.monthly, currency)}"
+        rows.append(
+            {
+                "tenant_id": tenant,
+                "spent": verdict.spent,
+                "budget": budget.monthly,
+                "used": used,
+                "status": f"{shown}, {word}" if word else shown,
+            }
+        )
+    return pd.DataFrame(rows, columns=columns)
+
+
 def change_percent(tenants: pd.DataFrame) -> list[float | None]:
     """Change over the previous period in percent (None where it had no cost)."""
     return [
@@ -226,93 +313,69 @@ def over_time(daily: pd.DataFrame, by: str = "tier", measure: str = "cost", top:
 # -- one tenant's statement -----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Statement:
-    """One tenant, one period: a line per (model, tier) with LINE_COLUMNS, and totals."""
-
-    tenant_id: str
-    start: float
-    end: float
-    currency: str
-    lines: pd.DataFrame
-
-    @property
-    def total(self) -> Decimal:
-        return sum(self.lines["cost"], Decimal(0))
-
-
 def load_statement(url: str, tenant: str, start: float, end: float, tiers) -> Statement:
     def read() -> Statement:
         found = _ledger(url).rollups(start, end, [tenant], bucket=DAY)
-        return statement_lines(tenant, start, end, found, tiers)
+        return statement(tenant, start, end, found, tiers)
 
     return _readable(read)
 
 
-def statement_lines(tenant: str, start, end, usage: Iterable[Rollup], tiers) -> Statement:
-    """Priced as the FOCUS export by month prices its rows: the total is their sum."""
-    lines: dict[tuple[str, str], dict[str, Any]] = {}
-    for group in charge_groups(usage, "month", tiers, (start, end)):
-        _add(
-            lines.setdefault((group.model, group.tier), _zero()), group.charges, group.charges.cost
-        )
-    rows = [
-        {"model": model, "tier": tier} | _figures(v) for (model, tier), v in sorted(lines.items())
-    ]
-    return Statement(tenant, start, end, tiers.currency, pd.DataFrame(rows, columns=LINE_COLUMNS))
-
-
-def statement_csv(s: Statement) -> bytes:
-    """The statement's lines and a total line, as CSV (the spreadsheet guard applies)."""
-    columns = ("tenant_id", "period_start", "period_end", "currency", *LINE_COLUMNS)
-    head = {
-        "tenant_id": s.tenant_id,
-        "period_start": stamp(s.start),
-        "period_end": stamp(s.end),
-        "currency": s.currency,
-    }
-    rows = [head | {c: str(v) for c, v in line.items()} for line in s.lines.to_dict("records")]
-    totals = {c: str(int(s.lines[c].sum())) for c in COUNTS}
-    hours = {h: str(sum(s.lines[h], Decimal(0))) for h in HOURS}
-    rows.append(head | {"model": "TOTAL", "tier": ""} | totals | hours | {"cost": str(s.total)})
-    return "".join(csv_chunks(rows, columns)).encode()
-
-
-def statement_html(s: Statement) -> str:
-    """A printable, self-contained page: no script, no external asset."""
-    e = html.escape
-    head = "".join(f"<th>{e(c.replace('_', ' '))}</th>" for c in LINE_COLUMNS)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{e(str(line[c]))}</td>" for c in LINE_COLUMNS) + "</tr>"
-        for line in s.lines.to_dict("records")
-    )
-    period = f"{_day(s.start)} to {_day(s.end)} (UTC, end exclusive)"
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>Statement {e(s.tenant_id)} {e(period)}</title><style>"
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #999;padding:4px 8px;text-align:right}"
-        "@media print{button{display:none}}</style></head><body>"
-        f"<h1>Usage statement</h1><p>Tenant <b>{e(s.tenant_id)}</b>, {e(period)}</p>"
-        f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-        f"<p><b>Total: {e(str(s.total))} {e(s.currency)}</b></p>"
-        f"<p>Generated {e(stamp(datetime.now(UTC).timestamp()))} from the kvlease usage "
-        "ledger. Recomputed tokens are never billed.</p></body></html>"
+def statement_frame(s: Statement) -> pd.DataFrame:
+    """The statement's lines as the page shows them: amounts in the minor unit."""
+    return pd.DataFrame(
+        [
+            {
+                "item": line.item,
+                "model": line.model,
+                "tier": line.tier,
+                "quantity": f"{line.quantity:,} {line.unit}",
+                "unit price": f"{money.plain(line.unit_price)} / {line.priced_per}",
+                "amount": money.shown(line.exact, s.currency),
+            }
+            for line in s.lines
+        ],
+        columns=["item", "model", "tier", "quantity", "unit price", "amount"],
     )
 
 
-def _day(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M")
-
-
-def focus_csv(url: str, start: float, end: float, granularity: str, tiers) -> bytes:
-    """The file `kvlease usage export` writes for this window and granularity."""
+def export_csv(url: str, start: float, end: float, fmt: str, granularity: str, tiers) -> bytes:
+    """The file `kvlease usage export --format fmt` writes for this window."""
 
     def read() -> bytes:
-        chunks = export_chunks(_ledger(url), (start, end), "focus", granularity, tiers)
+        chunks = export_chunks(_ledger(url), (start, end), fmt, granularity, tiers)
         return "".join(chunks).encode()
 
     return _readable(read)
+
+
+REQUEST_COLUMNS = {
+    "ended_at": "Ended (UTC)",
+    "request_id": "Request",
+    "session_id": "Session",
+    "model": "Model",
+    "tier": "Tier",
+    "outcome": "Outcome",
+    "input_tokens": "Input tokens",
+    "cached_input_tokens": "Cached input tokens",
+    "output_tokens": "Output tokens",
+    "recomputed_tokens": "Recomputed tokens",
+    "preemptions": "Preemptions",
+    "kv_block_seconds": "KV block-seconds",
+}
+
+
+def load_requests(url: str, tenant: str, start: float, end: float, limit: int) -> pd.DataFrame:
+    """A tenant's newest `limit` records in the window, as the drill-down shows them."""
+    return _readable(lambda: requests_frame(_ledger(url).latest(tenant, start, end, limit)))
+
+
+def requests_frame(records) -> pd.DataFrame:
+    rows = [{c: getattr(r, c) for c in REQUEST_COLUMNS} for r in records]
+    frame = pd.DataFrame(rows, columns=list(REQUEST_COLUMNS))
+    frame["ended_at"] = pd.to_datetime(frame["ended_at"], unit="s", utc=True)
+    frame = frame.fillna({"session_id": EMPTY, "tier": EMPTY})
+    return frame.rename(columns=REQUEST_COLUMNS)
 
 
 # -- reconciliation against Prometheus ------------------------------------------------------

@@ -9,7 +9,8 @@ a leased session's blocks between its turns, from the ledger's retention records
 rows appear only where there was retention), and summed from the ledger's rollups
 (`exporters.rollups`). Only integers are summed (tokens, KV block-microseconds) and
 each row divides once, so an export is the same byte for byte whether it was summed
-from rollups or from every record.
+from rollups or from every record. Each row's cost is then written at 10 decimal places
+and token quantities as integers (`exporters.money`, the one rounding rule).
 Recomputed tokens (work a preemption
 threw away) are reported in `x_RecomputedTokens` and never billed; what leasing
 bought is in `x_LeaseCoveredTokens` (prefix tokens a running lease was keeping at
@@ -37,6 +38,7 @@ from datetime import UTC, datetime
 from decimal import ROUND_HALF_EVEN, Context, Decimal, localcontext
 
 from engine.tenancy import Prices, TierTable
+from exporters import money
 from exporters.ledger import UsageLedger, UsageRecord, rollup_of
 from exporters.rollups import DAY, HOUR, Rollup
 
@@ -44,7 +46,22 @@ GRANULARITIES = ("hour", "day", "month")
 ACCOUNT_ID_ENV = "KVLEASE_BILLING_ACCOUNT_ID"
 ACCOUNT_NAME_ENV = "KVLEASE_BILLING_ACCOUNT_NAME"
 PROVIDER_ENV = "KVLEASE_PROVIDER_NAME"
-FOCUS_COLUMNS = (  # FOCUS 1.2 columns that apply to an inference provider, then ours
+# What a person filters and sums by, first (FOCUS sets no column order); then the rest of
+# the FOCUS 1.2 columns that apply to an inference provider, A to Z, then ours.
+KEY_COLUMNS = (
+    "SubAccountId",
+    "ChargePeriodStart",
+    "ChargePeriodEnd",
+    "x_Tier",
+    "x_Model",
+    "SkuId",
+    "ConsumedQuantity",
+    "ConsumedUnit",
+    "ListUnitPrice",
+    "BilledCost",
+    "BillingCurrency",
+)
+_FOCUS_1_2 = (
     "AvailabilityZone",
     "BilledCost",
     "BillingAccountId",
@@ -97,9 +114,11 @@ FOCUS_COLUMNS = (  # FOCUS 1.2 columns that apply to an inference provider, then
     "SubAccountName",
     "SubAccountType",
     "Tags",
+)
+FOCUS_COLUMNS = (
+    *KEY_COLUMNS,
+    *(c for c in _FOCUS_1_2 if c not in KEY_COLUMNS),
     "x_RowKey",
-    "x_Tier",
-    "x_Model",
     "x_Requests",
     "x_InputTokens",
     "x_CachedInputTokens",
@@ -134,6 +153,24 @@ def period(epoch: float, granularity: str) -> tuple[float, float]:
         days = calendar.monthrange(t.year, t.month)[1]
         return start.timestamp(), start.timestamp() + days * 86400
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
+@dataclass(frozen=True)
+class Account:
+    """Who bills: the FOCUS billing account and provider, from the environment."""
+
+    id: str
+    name: str
+    provider: str
+
+    @classmethod
+    def from_environment(cls) -> Account:
+        account_id = os.environ.get(ACCOUNT_ID_ENV, "kvlease")
+        return cls(
+            account_id,
+            os.environ.get(ACCOUNT_NAME_ENV, account_id),
+            os.environ.get(PROVIDER_ENV, "kvlease"),
+        )
 
 
 class UnpricedRecord(ValueError):
@@ -284,6 +321,17 @@ class Charges:
         self.requests += r.requests
         return self
 
+    def units(self) -> tuple[int, ...]:
+        """Per SKU, what it counts, whole: tokens, or block-microseconds for the KV SKUs."""
+        return (
+            self.input - self.cached,
+            self.cached,
+            self.output,
+            self.block_us,
+            self.reserved_us,
+            self.retained_us,
+        )
+
     @property
     def block_hours(self) -> Decimal:
         return Decimal(self.block_us) / MICROS_PER_HOUR
@@ -429,12 +477,12 @@ class _Context:
     def __init__(self, granularity: str, tiers: TierTable, inert: bool) -> None:
         self.granularity, self.currency = granularity, tiers.currency
         self.guard = _csv_cell if inert else str
-        account_id = os.environ.get(ACCOUNT_ID_ENV, "kvlease")
-        self.provider = provider = os.environ.get(PROVIDER_ENV, "kvlease")
+        seller = Account.from_environment()
+        self.provider = provider = seller.provider
         base = {
             **dict.fromkeys(NOT_APPLICABLE, ""),  # null: they do not apply
-            "BillingAccountId": self.guard(account_id),
-            "BillingAccountName": self.guard(os.environ.get(ACCOUNT_NAME_ENV, account_id)),
+            "BillingAccountId": self.guard(seller.id),
+            "BillingAccountName": self.guard(seller.name),
             "BillingAccountType": "Billing Account",
             "BillingCurrency": self.currency,
             "ChargeCategory": "Usage",
@@ -488,8 +536,9 @@ class _Context:
     ) -> list[str]:
         sku, pricing_unit, consumed_unit, what = SKUS[i]
         price = g.prices[i]
-        cost = _decimal(billed)
-        unit_price = _decimal(price)
+        cost = money.focus_amount(billed)
+        unit_price = money.plain(price)
+        counted = consumed_unit == "Tokens"  # tokens are whole; hours are not
         primary = i == 0  # request-level figures ride on the input row; 0 elsewhere
         state = f":{PRICE_STATES[i]}" if PRICE_STATES[i] else ""
         sku_price = f"{sku}{state}:{tier}:{unit_price}:{self.currency}"
@@ -497,14 +546,14 @@ class _Context:
         for name, value in (
             ("BilledCost", cost),
             ("ChargeDescription", self.guard(f"{what} on {model}, {tier} tier")),
-            ("ConsumedQuantity", _decimal(consumed)),
+            ("ConsumedQuantity", str(int(consumed)) if counted else money.focus_amount(consumed)),
             ("ConsumedUnit", consumed_unit),
             ("ContractedCost", cost),
             ("ContractedUnitPrice", unit_price),
             ("EffectiveCost", cost),
             ("ListCost", cost),
             ("ListUnitPrice", unit_price),
-            ("PricingQuantity", _decimal(pricing)),
+            ("PricingQuantity", money.focus_amount(pricing)),
             ("PricingUnit", pricing_unit),
             ("SkuId", f"kvlease-{sku}"),
             ("SkuMeter", SKU_METERS[i]),
@@ -517,18 +566,11 @@ class _Context:
             ("x_RecomputedTokens", str(g.recomputed if primary else 0)),
             ("x_LeaseCoveredTokens", str(g.lease_covered if primary else 0)),
             ("x_LeaseReusedTokens", str(g.lease_reused if primary else 0)),
-            ("x_BlockHours", _decimal(g.block_hours if primary else ZERO)),
+            ("x_BlockHours", money.focus_amount(g.block_hours if primary else ZERO)),
             ("x_Preemptions", str(g.preemptions if primary else 0)),
         ):
             row[_COLUMN[name]] = value
         return row
-
-
-def _decimal(value: Decimal) -> str:
-    """FOCUS decimals: plain notation (never `1E+1`), and always a decimal point, so a
-    reader that infers types (pandas, the FinOps validator) reads a decimal column."""
-    text = format(value.normalize(), "f") if value else "0"
-    return text if "." in text else f"{text}.0"
 
 
 def raw_rows(records: Iterable[UsageRecord]) -> Iterator[dict[str, str]]:
@@ -592,24 +634,6 @@ def usage(
     return ledger.rollups(*window, tenants, HOUR if granularity == "hour" else DAY)
 
 
-def export_chunks(
-    ledger: UsageLedger,
-    window: tuple[float, float],
-    fmt: str,
-    granularity: str,
-    tiers: TierTable,
-    tenants=(),
-) -> Iterator[str]:
-    """The export file, as `kvlease usage export` and `/admin/usage.csv` give it (the
-    dashboard writes the same FOCUS rows with the same `csv_chunks`): FOCUS from the
-    rollups, raw from the records."""
-    if fmt == "raw":
-        return csv_chunks(raw_rows(ledger.read(*window, tenants)), RAW_COLUMNS)
-    if fmt != "focus":
-        raise ValueError(f"format must be focus or raw, got {fmt!r}")
-    return focus_csv(usage(ledger, window, granularity, tenants), granularity, tiers, window)
-
-
 def parse_time(value: str) -> float:
     """Epoch seconds of a UTC date or an ISO time (a time without a zone is UTC)."""
     try:
@@ -617,6 +641,15 @@ def parse_time(value: str) -> float:
     except ValueError:
         raise ValueError(f"not a date or ISO time: {value!r} (try 2026-11-01)") from None
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+def month_window(month: str) -> tuple[float, float]:
+    """[first, next first) of a calendar month given as `YYYY-MM`, as epoch seconds."""
+    try:
+        first = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
+    except ValueError:
+        raise ValueError(f"a month is YYYY-MM, got {month!r} (try 2026-11)") from None
+    return period(first.timestamp(), "month")
 
 
 def parse_window(start: str | None, end: str | None) -> tuple[float, float]:

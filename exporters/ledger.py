@@ -345,6 +345,22 @@ class UsageLedger:
                 for row in chunk:
                     yield UsageRecord(*row)  # the table's columns are the record's fields
 
+    def latest(self, tenant: str, start: float, end: float, limit: int) -> list[UsageRecord]:
+        """A tenant's last `limit` records ended in [start, end), newest first: the usage
+        page's drill-down from a tenant to its requests."""
+        query = (
+            select(records)
+            .where(
+                records.c.tenant_id == tenant,
+                records.c.ended_at >= start,
+                records.c.ended_at < end,
+            )
+            .order_by(records.c.ended_at.desc())
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [UsageRecord(*row) for row in conn.execute(query)]
+
     def rollups(
         self, start: float, end: float, tenants: Sequence[str] = (), bucket: int = HOUR
     ) -> Iterator[Rollup]:

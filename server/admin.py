@@ -21,7 +21,8 @@ from starlette.concurrency import run_in_threadpool
 
 from engine.auth import AuthError, require_role
 from engine.tenancy import TierTable
-from exporters.billing import UnpricedRecord, export_chunks, focus_rows, parse_window, usage
+from exporters.billing import UnpricedRecord, focus_rows, parse_window, usage
+from exporters.exports import export_chunks
 from exporters.ledger import LedgerError, one_line
 from exporters.telemetry import TELEMETRY
 from server.middleware import STATE_KEY, error_payload

@@ -49,14 +49,23 @@ def _build_parser() -> argparse.ArgumentParser:
     usage_sub = usage.add_subparsers(dest="usage_command", required=True)
     export = usage_sub.add_parser(
         "export",
-        help="billing export of the ledger: FinOps FOCUS v1.2 CSV (or raw records)",
-        description="Export usage ended in [--from, --to) (UTC dates or ISO times; default: "
-        "this month) as CSV.",
+        help="billing export of the ledger: FOCUS 1.2 CSV, raw records or a row per tenant",
+        description="Export usage ended in [--from, --to) or in --month (UTC dates or ISO "
+        "times; default: this month) as CSV. Exits 1, saying so on stderr, when the window "
+        "holds no usage: a scheduled job notices an empty month.",
     )
-    export.add_argument("--from", dest="start", default=None, help="start, e.g. 2026-11-01")
+    when = export.add_mutually_exclusive_group()
+    when.add_argument("--month", default=None, help="a calendar month, e.g. 2026-11")
+    when.add_argument("--from", dest="start", default=None, help="start, e.g. 2026-11-01")
     export.add_argument("--to", dest="end", default=None, help="end (exclusive)")
     export.add_argument("--granularity", choices=["hour", "day", "month"], default="month")
-    export.add_argument("--format", choices=["focus", "raw"], default="focus")
+    export.add_argument(
+        "--format",
+        choices=["focus", "raw", "summary"],
+        default="focus",
+        help="focus: FOCUS rows (default); raw: one row per record; summary: one row per "
+        "tenant, its statement's total",
+    )
     export.add_argument("--tenant", action="append", default=[], help="repeatable")
     export.add_argument("-o", "--output", default="-", help="file, or - for stdout")
     export.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
@@ -236,11 +245,14 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    from exporters.billing import export_chunks, parse_window
+    from exporters.billing import month_window, parse_window
+    from exporters.exports import export_chunks
     from exporters.ledger import UsageLedger
 
     tiers = TierTable.load(args.tiers)
-    window = parse_window(args.start, args.end)
+    if args.month and args.end:
+        raise ValueError("--to goes with --from, not with --month")
+    window = month_window(args.month) if args.month else parse_window(args.start, args.end)
     ledger = UsageLedger(args.usage_db, create=False)  # a reader never makes a ledger
     if args.format == "raw" and window[0] < (horizon := ledger.horizon()):
         print(f"kvlease usage: records before {_stamp(horizon)} were pruned", file=sys.stderr)
@@ -249,12 +261,22 @@ def _usage_export(args: argparse.Namespace) -> int:
         out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     except OSError as exc:
         raise ValueError(f"cannot write {args.output}: {exc.strerror}") from None
+    lines = 0
     try:
         for chunk in chunks:
             out.write(chunk)
+            lines += chunk.count("\n")
     finally:
         if out is not sys.stdout:
             out.close()
+    if lines <= 1:  # the header alone (a quoted line break only adds to the count)
+        who = f" for {', '.join(args.tenant)}" if args.tenant else ""
+        print(
+            f"kvlease usage: no usage from {_stamp(window[0])} to {_stamp(window[1])}{who}: "
+            "wrote the header only",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -70,29 +70,61 @@ def test_usage_page_says_so_when_the_ledger_is_unreachable(page):
     assert "ledger is not readable" in app.error[0].value
 
 
-def test_usage_page_shows_tenants_costs_and_the_download(page, november_ledger):
-    app = page("usage", KVLEASE_USAGE_DB=november_ledger.url)
+def test_usage_page_shows_tenants_costs_and_the_downloads(page, november_ledger, tmp_path):
+    budgets = tmp_path / "budgets.toml"
+    budgets.write_text('[tenants.acme]\nmonthly = "0.01"\n[tenants.cy]\nmonthly = "100"\n')
+    app = page("usage", KVLEASE_USAGE_DB=november_ledger.url, KVLEASE_BUDGETS=str(budgets))
+    app.radio(key="preset").set_value("Custom").run()
     app.date_input(key="from").set_value("2026-11-01")
     app.date_input(key="to").set_value("2026-12-01")
     app.run()
     assert not app.exception and not app.error
-    tenants, lines = app.dataframe
-    assert sorted(tenants.value["tenant_id"]) == ["acme", "bob", "cy"]
-    assert app.metric[1].value == "4"  # requests
+    tenants, lines, requests = app.dataframe
+    table = tenants.value
+    assert list(table.columns[:4]) == ["Tenant", "Cost", "Change", "Change %"]
+    assert list(table["Tenant"]) == ["acme", "cy", "bob"]  # largest cost first
+    assert list(table["Change %"]) == ["-", "-", "-"]  # no October: no percentage, no None
+    budget = dict(zip(table["Tenant"], table["Budget this month"], strict=True))
+    assert budget["acme"].endswith("exceeded") and budget["cy"].startswith("0% of 100.00")
+    assert budget["bob"] == "-"
+    assert [m.value for m in app.metric[1:4]] == ["4", "3", "1"]  # requests, tenants, budgets
     labels = [b.proto.label for b in app.get("download_button")]
-    assert labels == ["Download FOCUS CSV", "Statement CSV", "Printable statement (HTML)"]
-    assert [t.label for t in app.tabs] == ["Tenants", "Over time", "Statement", "Reconciliation"]
-    assert app.selectbox(key="statement_tenant").value == "acme"
-    assert list(lines.value["requests"]) == [2]
+    assert labels == [
+        "Download FOCUS CSV",
+        "Tenant summary CSV",
+        "Statement CSV",
+        "Printable statement (HTML)",
+    ]
+    assert [t.label for t in app.tabs] == [
+        "Tenants",
+        "Over time",
+        "Statement",
+        "Requests",
+        "Reconciliation",
+    ]
+    owing = app.selectbox(key="statement_tenant")
+    assert owing.value == "acme" and owing.options == ["acme", "cy", "bob"]  # largest cost first
+    assert set(lines.value["tier"]) == {"premium"}
+    assert lines.value["quantity"][0] == "1,201 tokens"
+    assert len(requests.value) == 2 and requests.value["Request"][0] == f"kvl-{1:032x}"
     assert "--prometheus" in app.info[0].value  # reconciliation needs a Prometheus
 
     app.selectbox(key="statement_tenant").set_value("cy").run()
-    assert list(app.dataframe[1].value["tier"]) == ["standard"]
+    assert set(app.dataframe[1].value["tier"]) == {"standard"}
+    app.selectbox(key="requests_tenant").set_value("bob").run()
+    assert list(app.dataframe[2].value["Tier"]) == ["free"]
     app.radio(key="stack").set_value("tenant").run()
     app.radio(key="measure").set_value("tokens").run()
     assert not app.exception
     app.text_input(key="usage_search").input("ac").run()
-    assert list(app.dataframe[0].value["tenant_id"]) == ["acme"]
+    assert list(app.dataframe[0].value["Tenant"]) == ["acme"]
+
+
+def test_usage_page_presets_name_their_window(page, november_ledger):
+    app = page("usage", KVLEASE_USAGE_DB=november_ledger.url)
+    assert app.radio(key="preset").value == "This month" and not app.exception
+    app.radio(key="preset").set_value("Last month").run()
+    assert not app.exception and app.caption[0].value.startswith("From ")
 
 
 def test_switching_pages_keeps_the_page_whole(page, november_ledger):

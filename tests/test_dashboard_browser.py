@@ -224,7 +224,7 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
         page.get_by_role("button", name="Printable statement (HTML)").click()
     statement = tmp_path / "statement.html"
     download.value.save_as(statement)
-    assert "Usage statement" in statement.read_text() and "Total:" in statement.read_text()
+    assert "Usage statement" in statement.read_text() and "Total (USD)" in statement.read_text()
     page.get_by_role("tab", name="Reconciliation").click()
     page.get_by_text("Ledger totals against the increase").first.wait_for(timeout=30_000)
     assert page.locator("[data-testid='stException']").count() == 0

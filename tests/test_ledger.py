@@ -13,13 +13,14 @@ from records import NOV, rec, retention
 from exporters.billing import (
     EXACT,
     FOCUS_COLUMNS,
+    charge_groups,
     csv_chunks,
-    export_chunks,
     focus_rows,
     per_block_us,
     period,
     record_cost,
 )
+from exporters.exports import export_chunks
 from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, OpenRecord, UsageLedger, rollup_of
 from server.cli import main
 
@@ -129,6 +130,9 @@ def _focus(records, tiers, granularity="day", window=None) -> list[dict]:
 SKUS = ["kvlease-input-tokens", "kvlease-cached-input-tokens", "kvlease-output-tokens"]
 SKUS.append("kvlease-kv-block-hours")
 PLAIN_DECIMAL = re.compile(r"\d+\.\d+")
+FIXED_10 = re.compile(r"\d+\.\d{10}")  # exporters.money.FOCUS_PLACES
+INTEGER = re.compile(r"\d+")
+HALF_TEN_PLACES = Decimal("0.5e-10")  # the most one FOCUS row's rounding moves its cost
 
 
 def test_focus_export_has_one_row_per_charge_with_its_unit_price(tiers):
@@ -157,12 +161,15 @@ def test_focus_export_has_one_row_per_charge_with_its_unit_price(tiers):
         assert set(FOCUS_COLUMNS) == set(row)
         for column in ("ChargePeriodStart", "ChargePeriodEnd", "BillingPeriodStart"):
             assert TIMESTAMP.match(row[column])
-        for column in ("BilledCost", "ListUnitPrice", "PricingQuantity", "ConsumedQuantity"):
-            assert PLAIN_DECIMAL.fullmatch(row[column]), (column, row[column])  # never 1E+1
+        assert PLAIN_DECIMAL.fullmatch(row["ListUnitPrice"])  # never 5E-7
+        for column in ("BilledCost", "PricingQuantity", "x_BlockHours"):  # money.FOCUS_PLACES
+            assert FIXED_10.fullmatch(row[column]), (column, row[column])
+        tokens = row["ConsumedUnit"] == "Tokens"
+        assert (INTEGER if tokens else FIXED_10).fullmatch(row["ConsumedQuantity"])
         assert row["BilledCost"] == row["EffectiveCost"] == row["ListCost"] == row["ContractedCost"]
         unit, quantity = Decimal(row["ListUnitPrice"]), Decimal(row["PricingQuantity"])
-        # Exact for tokens; block time is priced per whole microsecond (billing.per_block_us).
-        assert abs(Decimal(row["ListCost"]) - unit * quantity) <= Decimal("1e-20")
+        # Within the one rounding, at 10 places, of the exact cost.
+        assert abs(Decimal(row["ListCost"]) - unit * quantity) <= Decimal("0.5e-10")
         assert row["BillingCurrency"] == "USD" and row["ChargeCategory"] == "Usage"
         assert row["CommitmentDiscountId"] == row["RegionId"] == ""  # null: does not apply
     first = rows[:4]
@@ -173,8 +180,9 @@ def test_focus_export_has_one_row_per_charge_with_its_unit_price(tiers):
         premium.output_per_1k,
         premium.block_hour,
     ]
-    assert [r["ConsumedQuantity"] for r in first[:3]] == ["1200.0", "800.0", "1000.0"]
-    assert sum(Decimal(r["BilledCost"]) for r in first) == 2 * record_cost(records[0], tiers)
+    assert [r["ConsumedQuantity"] for r in first[:3]] == ["1200", "800", "1000"]
+    billed = sum(Decimal(r["BilledCost"]) for r in first)
+    assert abs(billed - 2 * record_cost(records[0], tiers)) <= 4 * HALF_TEN_PLACES
     # Request-level figures ride on the input row, so a column's sum is the total.
     assert first[0]["x_Requests"] == "2" and first[0]["x_InputTokens"] == "2000"
     assert first[0]["x_RecomputedTokens"] == "140"
@@ -209,12 +217,15 @@ def test_every_granularity_bills_the_same_total_to_the_last_digit(tiers):
         for i in range(200)
     ]
     with localcontext(EXACT):  # a spreadsheet's float sum rounds; this must not
-        totals = {
-            granularity: sum(Decimal(r["BilledCost"]) for r in _focus(records, tiers, granularity))
-            for granularity in ("hour", "day", "month")
-        }
         by_record = sum((record_cost(r, tiers) for r in records), Decimal(0))
-    assert totals == {"hour": by_record, "day": by_record, "month": by_record}
+        for granularity in ("hour", "day", "month"):
+            usage = [rollup_of(r) for r in records]
+            groups = charge_groups(usage, granularity, tiers)
+            assert sum((g.charges.cost for g in groups), Decimal(0)) == by_record
+            # Written at 10 places, each row within half of its last place of its cost.
+            rows = _focus(records, tiers, granularity)
+            written = sum(Decimal(r["BilledCost"]) for r in rows)
+            assert abs(written - by_record) <= len(rows) * HALF_TEN_PLACES
 
 
 def test_cells_a_spreadsheet_would_run_are_made_inert(tiers):
@@ -409,24 +420,27 @@ def test_kv_retention_is_its_own_sku_priced_reserved_and_retained_apart(ledger, 
     assert [r["SkuId"] for r in rows] == [*SKUS, "kvlease-kv-retention", "kvlease-kv-retention"]
     p = tiers["premium"].prices
     reserved, retained = rows[4:]
-    assert (reserved["ConsumedQuantity"], retained["ConsumedQuantity"]) == ("0.2", "1.5")
+    assert (reserved["ConsumedQuantity"], retained["ConsumedQuantity"]) == (
+        "0.2000000000",
+        "1.5000000000",
+    )
     assert (Decimal(reserved["ListUnitPrice"]), Decimal(retained["ListUnitPrice"])) == (
         p.reserved_block_hour,
         p.retained_block_hour,
     )
-    # priced per whole block-microsecond, as the block-hours are (billing.per_block_us)
-    assert abs(Decimal(reserved["BilledCost"]) - Decimal("0.2") * p.reserved_block_hour) < Decimal(
-        "1e-20"
-    )
-    assert abs(Decimal(retained["BilledCost"]) - Decimal("1.5") * p.retained_block_hour) < Decimal(
-        "1e-20"
-    )
+    # priced per whole block-microsecond, as the block-hours are, and written at 10 places
+    for row, hours, price in (
+        (reserved, "0.2", p.reserved_block_hour),
+        (retained, "1.5", p.retained_block_hour),
+    ):
+        assert abs(Decimal(row["BilledCost"]) - Decimal(hours) * price) <= HALF_TEN_PLACES
     assert reserved["SkuMeter"] == "KV Retention Block-Hours"
     assert reserved["SkuPriceId"].startswith("kv-retention:reserved:premium:")
     assert len({r["x_RowKey"] for r in rows}) == 6
     assert rows[0]["x_Requests"] == "2"
     total = sum(Decimal(r["BilledCost"]) for r in rows)
-    assert total == sum(record_cost(r, tiers) for r in ledger.read(NOV, NOV + 86400))
+    exact = sum(record_cost(r, tiers) for r in ledger.read(NOV, NOV + 86400))
+    assert abs(total - exact) <= len(rows) * HALF_TEN_PLACES
     assert ledger.write([retention(1, 720.0, 5400.0)]) == 0  # idempotent by its key
 
 

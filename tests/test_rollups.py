@@ -18,7 +18,8 @@ import pytest
 from records import NOV, rec, retention
 
 from engine.tenancy import TierTable
-from exporters.billing import export_chunks, focus_rows, usage
+from exporters.billing import focus_rows, usage
+from exporters.exports import export_chunks
 from exporters.ledger import UsageLedger, rollup_of
 from exporters.rollups import DAY, HOUR, SUMS, block_us
 from server.cli import main

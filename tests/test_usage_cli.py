@@ -1,9 +1,14 @@
-"""`kvlease usage export` refuses what it cannot read in one line (exit 2), and a reader
-never creates a ledger."""
+"""`kvlease usage export`: a month or a window, three formats, an empty export that says
+so (exit 1); it refuses what it cannot read in one line (exit 2), and a reader never
+creates a ledger."""
 
 from __future__ import annotations
 
+import csv
+import io
+
 import pytest
+from records import NOV
 from servers import free_port
 
 from exporters.ledger import LedgerError, UsageLedger, redact
@@ -112,3 +117,49 @@ def test_prune_takes_any_date(november_ledger, capsys):
     )
     assert "deleted" in capsys.readouterr().out
     assert november_ledger.count() == 0
+
+
+def test_a_month_is_that_calendar_month(november_ledger, tmp_path, capsys):
+    by_month, by_dates = tmp_path / "month.csv", tmp_path / "dates.csv"
+    ledger = ["--usage-db", november_ledger.url]
+    assert main(["usage", "export", "--month", "2026-11", *ledger, "-o", str(by_month)]) == 0
+    assert _export(capsys, *ledger, "-o", str(by_dates))[0] == 0
+    assert by_month.read_bytes() == by_dates.read_bytes() and by_month.read_text().count("\n") > 1
+    assert main(["usage", "export", "--month", "11/2026", *ledger]) == 2
+    assert "YYYY-MM" in capsys.readouterr().err
+    assert main(["usage", "export", "--month", "2026-11", "--to", "2026-12-01", *ledger]) == 2
+
+
+@pytest.mark.parametrize("fmt", ["focus", "raw", "summary"])
+def test_an_empty_export_says_so_on_stderr_and_exits_1(november_ledger, tmp_path, capsys, fmt):
+    """A scheduled job must notice a month with no usage (it exited 0 with a header)."""
+    out = tmp_path / "empty.csv"
+    ledger = ["--usage-db", november_ledger.url, "--format", fmt, "-o", str(out)]
+    assert main(["usage", "export", "--month", "2026-10", *ledger]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no usage from 2026-10-01T00:00:00Z" in err
+    assert out.read_text().count("\n") == 1  # the header, for a reader that needs one
+    assert main(["usage", "export", "--month", "2026-11", "--tenant", "nobody", *ledger]) == 1
+    assert "for nobody" in capsys.readouterr().err
+
+
+def test_the_summary_has_a_row_per_tenant_with_its_statements_total(november_ledger, tiers, capsys):
+    from exporters.statement import statement
+
+    assert main(["usage", "export", "--month", "2026-11", "--format", "summary",
+                 "--usage-db", november_ledger.url]) == 0  # fmt: skip
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["tenant_id"] for r in rows] == ["acme", "bob", "cy"]
+    window = (NOV, NOV + 30 * 86400)
+    for row in rows:
+        s = statement(
+            row["tenant_id"], *window, november_ledger.rollups(*window, [row["tenant_id"]]), tiers
+        )
+        assert (row["amount"], row["statement_number"]) == (str(s.total), s.number)
+        assert row["period"] == "November 2026" and row["currency"] == "USD"
+    acme = rows[0]
+    assert (acme["requests"], acme["input_tokens"], acme["cached_input_tokens"]) == (
+        "2",
+        "2001",
+        "800",
+    )
