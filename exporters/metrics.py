@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import Counter as PromCounter
-from prometheus_client import Histogram
+from prometheus_client import Histogram, Summary
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -44,7 +44,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; vLLM sets it
 @dataclass(frozen=True)
 class Family:
     name: str  # as scraped; counters end in _total
-    kind: str  # "counter", "gauge" or "histogram"
+    kind: str  # "counter", "gauge", "histogram" or "summary" (count and sum)
     help: str
     labels: tuple[str, ...] = ()
 
@@ -183,10 +183,30 @@ TTFT = Family(
     "Engine time to first token (queued plus prefill), by tier.",
     ("tier",),
 )
+TENANT_TTFT = Family(
+    "vllm_tenant_tenant_time_to_first_token_seconds",
+    "summary",
+    "Engine time to first token by tenant: a count and a sum (rate(sum) / rate(count) is "
+    "its mean), two series a tenant where a histogram would take sixteen.",
+    ("tenant_id",),
+)
 E2E = Family(
     "vllm_tenant_e2e_request_latency_seconds",
     "histogram",
     "End-to-end request latency in the engine, by tier.",
+    ("tier",),
+)
+QUEUE_TIME = Family(
+    "vllm_tenant_request_queue_time_seconds",
+    "histogram",
+    "Time a request waited in the scheduler's queue before it first ran, by tier.",
+    ("tier",),
+)
+TIME_PER_OUTPUT_TOKEN = Family(
+    "vllm_tenant_request_time_per_output_token_seconds",
+    "histogram",
+    "Each request's mean inter-token latency (decode time over output tokens after the "
+    "first), by tier; requests with one output token have none.",
     ("tier",),
 )
 WAITING = Family(
@@ -267,7 +287,10 @@ FAMILIES = (
     TOKENS,
     REQUESTS,
     TTFT,
+    TENANT_TTFT,
     E2E,
+    QUEUE_TIME,
+    TIME_PER_OUTPUT_TOKEN,
     WAITING,
     RUNNING,
     RESERVED_CAP,
@@ -307,7 +330,10 @@ class ProcessMetrics:
         TOKENS,
         REQUESTS,
         TTFT,
+        TENANT_TTFT,
         E2E,
+        QUEUE_TIME,
+        TIME_PER_OUTPUT_TOKEN,
         LEDGER_RECORDS,
         LEDGER_ERRORS,
         LEDGER_DEAD_LETTERS,
@@ -315,18 +341,23 @@ class ProcessMetrics:
     )
 
     def __init__(self) -> None:
-        made = {
-            f: Histogram(f.name, f.help, f.labels, buckets=LATENCY_BUCKETS, registry=None)
-            if f.kind == "histogram"
-            else PromCounter(f.family, f.help, f.labels, registry=None)
-            for f in self.FAMILIES
-        }
+        def make(f: Family):
+            if f.kind == "histogram":
+                return Histogram(f.name, f.help, f.labels, buckets=LATENCY_BUCKETS, registry=None)
+            if f.kind == "summary":
+                return Summary(f.name, f.help, f.labels, registry=None)
+            return PromCounter(f.family, f.help, f.labels, registry=None)
+
+        made = {f: make(f) for f in self.FAMILIES}
         self._all = [made[f] for f in self.FAMILIES]
         (
             self.tokens,
             self.requests,
             self.ttft,
+            self.tenant_ttft,
             self.e2e,
+            self.queue_time,
+            self.time_per_output_token,
             self.ledger_records,
             self.ledger_errors,
             self.dead_letters,
@@ -361,8 +392,14 @@ class TenantMetrics:
         tokens.labels(label, "cached_input").inc(stats.num_cached_tokens)
         tokens.labels(label, "output").inc(stats.num_generation_tokens)
         self.process.requests.labels(label, finish_outcome(stats.finish_reason)).inc()
-        self.process.ttft.labels(tier_label).observe(stats.queued_time + stats.prefill_time)
+        ttft = stats.queued_time + stats.prefill_time
+        self.process.ttft.labels(tier_label).observe(ttft)
+        self.process.tenant_ttft.labels(label).observe(ttft)
         self.process.e2e.labels(tier_label).observe(stats.e2e_latency)
+        self.process.queue_time.labels(tier_label).observe(stats.queued_time)
+        if stats.num_generation_tokens > 1:
+            tpot = self.process.time_per_output_token
+            tpot.labels(tier_label).observe(stats.mean_time_per_output_token)
 
     def request_refused(self, tenant: str) -> None:
         """vLLM refused a tenant's request (HTTP 4xx: validation, an unknown model) before

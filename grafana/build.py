@@ -28,7 +28,11 @@ from grafana_foundation_sdk.builders import prometheus as prom
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models.dashboard import (
+    DashboardLinkType,
     DataSourceRef,
+    GridPos,
+    Threshold,
+    ThresholdsMode,
     VariableOption,
     VariableRefresh,
     VariableSort,
@@ -56,16 +60,43 @@ class Query:
     legend: str = ""
 
 
+# Grafana units for what kvlease counts (custom `suffix:` units where Grafana has none).
+BLOCKS = "suffix: blocks"
+BLOCK_HOURS = "suffix: block-h"
+BLOCKS_PER_S = "suffix: blocks/s"
+TOKENS_PER_S = "suffix: tokens/s"
+COUNT = "none"
+RATIO = "percentunit"
+GOOD, WARN, BAD = "green", "orange", "red"
+
+
 @dataclass(frozen=True)
 class Panel:
+    """One panel. `thresholds`: (from value, colour) steps, the first from None (the base):
+    they colour stats and bar gauges and are drawn as dashed lines on time series, so an
+    alert's level is visible where its figure is."""
+
     title: str
     description: str
     queries: tuple[Query, ...]
     kind: str = "timeseries"  # timeseries | stat | bargauge
-    unit: str = "short"
+    unit: str = COUNT
     stacked: bool = False
     width: int = 12
     height: int = 8
+    min: float | None = 0
+    max: float | None = None
+    thresholds: tuple[tuple[float | None, str], ...] = ()
+
+
+def _over(alert: float, warn: float | None = None) -> tuple[tuple[float | None, str], ...]:
+    """Green, then orange from `warn`, then red from `alert`: higher is worse."""
+    return ((None, GOOD), *(((warn, WARN),) if warn is not None else ()), (alert, BAD))
+
+
+def _under(alert: float) -> tuple[tuple[float | None, str], ...]:
+    """Red, then green from `alert`: lower is worse."""
+    return ((None, BAD), (alert, GOOD))
 
 
 def _sum(fn: str, metric: str, by: str, sel: str = TENANT, window: str = "$__rate_interval") -> str:
@@ -97,8 +128,9 @@ def fair_share_ratio(sel: str, window: str, by: str = "tenant_id, tier") -> str:
     )
 
 
-def kv_cache_panels() -> list[Panel]:
+def kv_cache_panels(tiers: TierTable) -> list[Panel]:
     used = f"1 - sum({m.FREE_BLOCKS.name}{{{SEL}}}) / sum({m.POOL_BLOCKS.name}{{{SEL}}})"
+    top = next(iter(tiers))
     return [
         Panel(
             "Pool in use",
@@ -106,15 +138,53 @@ def kv_cache_panels() -> list[Panel]:
             "prefixes), summed over the selected instances.",
             _q(used, "in use"),
             kind="stat",
-            unit="percentunit",
+            unit=RATIO,
+            width=6,
+            max=1,
+            thresholds=_over(0.95, 0.8),
+        ),
+        Panel(
+            f"{top.capitalize()} preemptions",
+            f"Running {top} requests preempted over the dashboard's time range: kvlease "
+            f"preempts {top} work only when nothing of a lower tier is left to take, so "
+            f"any is red (the Kvlease{top.capitalize()}Preempted alert).",
+            _q(
+                _sum("increase", m.PREEMPTIONS.name, "", f'{SEL}, tier="{top}"', RANGE),
+                "preemptions",
+            ),
+            kind="stat",
+            width=6,
+            thresholds=_over(1),
+        ),
+        Panel(
+            "Leased prefix evictions",
+            "Cached blocks a lease protected that were evicted over the dashboard's time "
+            "range: the tier's leased cap or the pool is too small (the "
+            "KvleaseLeaseEvictions alert).",
+            _q(
+                _sum("increase", m.CACHED_EVICTIONS.name, "", f'{SEL}, leased="true"', RANGE),
+                "evictions",
+            ),
+            kind="stat",
+            unit=COUNT,
+            width=6,
+            thresholds=_over(1),
+        ),
+        Panel(
+            "Waiting requests",
+            "Requests in the scheduler's waiting queue now, all tiers.",
+            _q(f"sum({m.WAITING.name}{{{SEL}}})", "waiting"),
+            kind="stat",
             width=6,
         ),
         Panel(
             "Pool in use over time",
             "The same share over time; the alert fires above 95% for 5 minutes.",
             _q(used, "in use"),
-            unit="percentunit",
-            width=18,
+            unit=RATIO,
+            width=24,
+            max=1,
+            thresholds=_over(0.95, 0.8),
         ),
         Panel(
             "Blocks by tenant and state",
@@ -124,6 +194,7 @@ def kv_cache_panels() -> list[Panel]:
                 f"sum by (tenant_id, state) ({m.KV_BLOCKS.name}{{{TENANT}}})",
                 "{{tenant_id}} {{state}}",
             ),
+            unit=BLOCKS,
             stacked=True,
             width=24,
             height=10,
@@ -134,13 +205,16 @@ def kv_cache_panels() -> list[Panel]:
             "arrived, the share the prefix cache served (the rest was computed again). "
             f"The alert fires under {m.LEASE_HIT_ALERT:.0%} for 10 minutes.",
             _q(lease_hit_ratio(TIER, "$__rate_interval"), "{{tier}}"),
-            unit="percentunit",
+            unit=RATIO,
+            max=1,
+            thresholds=_under(m.LEASE_HIT_ALERT),
         ),
         Panel(
             "Lease reuse by tier (tokens)",
             "Prefix tokens of leased next turns per second: reused from the cache, or lost "
             "(computed again).",
             _q(_sum("rate", m.LEASE_REUSE.name, "tier, outcome", TIER), "{{tier}} {{outcome}}"),
+            unit=TOKENS_PER_S,
             stacked=True,
         ),
         Panel(
@@ -150,6 +224,7 @@ def kv_cache_panels() -> list[Panel]:
             "1 is its share, under 1 it got less. "
             f"The alert fires under {m.FAIR_SHARE_ALERT} for 10 minutes.",
             _q(fair_share_ratio(TENANT, "$__rate_interval"), "{{tenant_id}} ({{tier}})"),
+            thresholds=_under(m.FAIR_SHARE_ALERT),
         ),
         Panel(
             "Active leases by tenant",
@@ -190,6 +265,7 @@ def kv_cache_panels() -> list[Panel]:
                 _sum("rate", m.KV_EVICTIONS.name, "priority, preemption_reason"),
                 "priority {{priority}} {{preemption_reason}}",
             ),
+            unit=BLOCKS_PER_S,
             stacked=True,
         ),
         Panel(
@@ -201,6 +277,7 @@ def kv_cache_panels() -> list[Panel]:
                 _sum("rate", m.CACHED_EVICTIONS.name, "tier, leased", TIER),
                 "{{tier}} leased={{leased}}",
             ),
+            unit=BLOCKS_PER_S,
             stacked=True,
         ),
         Panel(
@@ -211,6 +288,7 @@ def kv_cache_panels() -> list[Panel]:
                 f"sum by (tenant_id) ({m.SWAPPED_BLOCKS.name}{{{TENANT}}})",
                 "{{tenant_id}}",
             ),
+            unit=BLOCKS,
         ),
         Panel(
             "Queue",
@@ -233,6 +311,7 @@ def kv_cache_panels() -> list[Panel]:
             ),
             width=24,
             height=6,
+            thresholds=_over(1),
         ),
     ]
 
@@ -285,9 +364,6 @@ def _num(value: Decimal) -> str:
 
 
 def usage_panels(tiers: TierTable) -> list[Panel]:
-    def ttft(q: str) -> str:
-        return f"histogram_quantile({q}, " + _sum("rate", m.TTFT.bucket, "le, tier", TIER) + ")"
-
     return [
         Panel(
             "Tokens per second by tenant and kind",
@@ -297,6 +373,7 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
                 _sum("rate", m.TOKENS.name, "tenant_id, kind"),
                 "{{tenant_id}} {{kind}}",
             ),
+            unit=TOKENS_PER_S,
             stacked=True,
             width=24,
             height=10,
@@ -310,6 +387,7 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
                 "{{tenant_id}}",
             ),
             kind="bargauge",
+            unit=BLOCK_HOURS,
         ),
         Panel(
             "KV retention block-hours by tenant",
@@ -322,6 +400,7 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
                 "{{tenant_id}} {{state}}",
             ),
             kind="bargauge",
+            unit=BLOCK_HOURS,
         ),
         Panel(
             f"Estimated cost by tenant ({tiers.currency})",
@@ -339,7 +418,9 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
             f"fleet-wide on a shared ledger. Alerts at {m.BUDGET_ALERT:.0%} and at 100%.",
             _q(f"max by (tenant_id) ({m.BUDGET_USED.name}{{{TENANT}}})", "{{tenant_id}}"),
             kind="bargauge",
-            unit="percentunit",
+            unit=RATIO,
+            max=1,
+            thresholds=_over(1, m.BUDGET_ALERT),
         ),
         Panel(
             "Requests by outcome",
@@ -364,37 +445,70 @@ def usage_panels(tiers: TierTable) -> list[Panel]:
         Panel(
             "Time to first token by tier (p50, p99)",
             "Engine time to first token (queued plus prefill), by tier.",
-            (Query(ttft("0.5"), "p50 {{tier}}"), Query(ttft("0.99"), "p99 {{tier}}")),
+            quantiles(m.TTFT, "{{tier}}"),
             unit="s",
-            width=24,
         ),
         Panel(
-            "Ledger writes",
-            "Usage records committed per second; failed commits (retried, never dropped), "
-            "records the database refused (set aside to the dead-letter file) and records "
-            "written partial because the request join was full (alerts fire on each).",
-            (
-                Query(
-                    _sum("rate", m.LEDGER_RECORDS.name, "", SEL),
-                    "records",
-                ),
-                Query(
-                    _sum("increase", m.LEDGER_ERRORS.name, "", SEL),
-                    "write errors",
-                ),
-                Query(
-                    _sum("increase", m.LEDGER_DEAD_LETTERS.name, "", SEL),
-                    "dead letters",
-                ),
-                Query(
-                    _sum("increase", m.JOIN_OVERFLOWS.name, "", SEL),
-                    "partial (join full)",
-                ),
+            "Mean time to first token by tenant",
+            "Each tenant's mean engine time to first token over the interval (a count and a "
+            "sum per tenant, not a histogram: cheap at a thousand tenants). The slowest "
+            "tenants of a tier show who waits behind whom.",
+            _q(
+                f"{_sum('rate', m.TENANT_TTFT.name + '_sum', 'tenant_id')} / "
+                f"{_sum('rate', m.TENANT_TTFT.name + '_count', 'tenant_id')}",
+                "{{tenant_id}}",
             ),
-            width=24,
-            height=6,
+            unit="s",
+        ),
+        Panel(
+            "End-to-end latency by tier (p50, p99)",
+            "Engine time from arrival to the last token, by tier.",
+            quantiles(m.E2E, "{{tier}}"),
+            unit="s",
+        ),
+        Panel(
+            "Queue time by tier (p50, p99)",
+            "Time requests waited in the scheduler's queue before they first ran, by tier: "
+            "where a lower tier pays for a higher one.",
+            quantiles(m.QUEUE_TIME, "{{tier}}"),
+            unit="s",
+        ),
+        Panel(
+            "Inter-token latency by tier (p50, p99)",
+            "Each request's mean time between output tokens, by tier (requests with more "
+            "than one output token).",
+            quantiles(m.TIME_PER_OUTPUT_TOKEN, "{{tier}}"),
+            unit="s",
+        ),
+        Panel(
+            "Ledger records written",
+            "Usage records committed to the ledger per second (one per finished request).",
+            _q(_sum("rate", m.LEDGER_RECORDS.name, "", SEL), "records"),
+            unit="wps",
+        ),
+        Panel(
+            "Ledger problems",
+            "Per interval: failed commits (retried, never dropped), records the database "
+            "refused (set aside to the dead-letter file) and records written partial because "
+            "the request join was full. Each fires an alert; anything above 0 is red.",
+            (
+                Query(_sum("increase", m.LEDGER_ERRORS.name, "", SEL), "write errors"),
+                Query(_sum("increase", m.LEDGER_DEAD_LETTERS.name, "", SEL), "dead letters"),
+                Query(_sum("increase", m.JOIN_OVERFLOWS.name, "", SEL), "partial (join full)"),
+            ),
+            thresholds=_over(1),
         ),
     ]
+
+
+def quantiles(family: m.Family, legend: str) -> tuple[Query, ...]:
+    """p50 and p99 of a histogram family by tier, over the rate interval."""
+
+    def q(level: str) -> str:
+        by_tier = _sum("rate", family.bucket, "le, tier", TIER)
+        return f"histogram_quantile({level}, {by_tier})"
+
+    return (Query(q("0.5"), f"p50 {legend}"), Query(q("0.99"), f"p99 {legend}"))
 
 
 def _variables() -> list[Any]:
@@ -407,7 +521,7 @@ def _variables() -> list[Any]:
             .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(VariableSort.ALPHABETICAL_ASC)
             .include_all(True)
-            .all_value(".*" if not multi else None)
+            .all_value(".*")  # "All" matches every tenant, even one missing from the list
             .multi(multi)
             .current(VariableOption(selected=True, text="All", value="$__all"))
         )
@@ -430,18 +544,32 @@ def _variables() -> list[Any]:
             f'label_values({m.TENANT_INFO.name}{{{SEL}, tier=~"$tier"}}, tenant_id)',
             multi=True,
         ),
+        dash.ConstantVariable("live_page")
+        .label("kvlease live page")
+        .description("Where `kvlease dashboard` serves the live page: the dashboards' link")
+        .value(LIVE_PAGE),
     ]
 
 
-def _panel(p: Panel) -> Any:
+def _panel(p: Panel, panel_id: int, at: GridPos) -> Any:
     builder = {"timeseries": timeseries, "stat": stat, "bargauge": bargauge}[p.kind].Panel()
     builder = (
-        builder.title(p.title)
+        builder.id(panel_id)
+        .title(p.title)
         .description(p.description)
         .datasource(DS)
         .unit(p.unit)
-        .height(p.height)
-        .span(p.width)
+        .grid_pos(at)
+    )
+    if p.min is not None:
+        builder = builder.min(p.min)
+    if p.max is not None:
+        builder = builder.max(p.max)
+    steps = p.thresholds or ((None, GOOD),)
+    builder = builder.thresholds(
+        dash.ThresholdsConfig()
+        .mode(ThresholdsMode.ABSOLUTE)
+        .steps([Threshold(value=v, color=c) for v, c in steps])
     )
     for i, q in enumerate(p.queries):
         target = prom.Dataquery().expr(q.expr).ref_id("ABCDEFGH"[i]).datasource(DS)
@@ -458,11 +586,55 @@ def _panel(p: Panel) -> Any:
             builder = builder.stacking(
                 common_builders.StackingConfig().mode(common.StackingMode.NORMAL)
             )
+        if p.thresholds:
+            builder = builder.thresholds_style(
+                common_builders.GraphThresholdsStyleConfig().mode(
+                    common.GraphThresholdsStyleMode.DASHED
+                )
+            )
     else:
         builder = builder.reduce_options(
             common_builders.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
         )
     return builder
+
+
+GRID_COLUMNS = 24
+
+
+def layout(panels: list[Panel]) -> list[GridPos]:
+    """Left to right, a new row when a panel would pass the grid's 24 columns; a row is as
+    tall as its tallest panel. Ids and positions are therefore stable across builds."""
+    out, x, y, row = [], 0, 0, 0
+    for p in panels:
+        if not 0 < p.width <= GRID_COLUMNS:
+            raise ValueError(f"panel {p.title!r}: width {p.width} is not 1-{GRID_COLUMNS}")
+        if x + p.width > GRID_COLUMNS:
+            x, y, row = 0, y + row, 0
+        out.append(GridPos(h=p.height, w=p.width, x=x, y=y))
+        x, row = x + p.width, max(row, p.height)
+    return out
+
+
+LIVE_PAGE = "http://localhost:8501"  # `kvlease dashboard`'s default address
+
+
+def _links(uid: str) -> list[Any]:
+    """The other kvlease dashboards (same time range and variables), and the live page."""
+    return [
+        dash.DashboardLink("kvlease dashboards")
+        .type(DashboardLinkType.DASHBOARDS)
+        .tags(["kvlease"])
+        .as_dropdown(False)
+        .include_vars(True)
+        .keep_time(True),
+        dash.DashboardLink("kvlease live page")
+        .type(DashboardLinkType.LINK)
+        .url("${live_page}")
+        .icon("external link")
+        .tooltip("kvlease dashboard: live KV state, events and usage (kvlease dashboard)")
+        .target_blank(True),
+    ]
 
 
 def _dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> dict[str, Any]:
@@ -478,8 +650,10 @@ def _dashboard(uid: str, title: str, description: str, panels: list[Panel]) -> d
     )
     for variable in _variables():
         builder = builder.with_variable(variable)
-    for panel in panels:
-        builder = builder.with_panel(_panel(panel))
+    for link in _links(uid):
+        builder = builder.link(link)
+    for i, (panel, at) in enumerate(zip(panels, layout(panels), strict=True), 1):
+        builder = builder.with_panel(_panel(panel, i, at))
     doc = json.loads(JSONEncoder(sort_keys=True).encode(builder.build()))
     # Import through the UI asks for the Prometheus data source (`__inputs`);
     # provisioning leaves ${DS_PROMETHEUS} unresolved and the variable falls back
@@ -507,7 +681,7 @@ def dashboards(tiers: TierTable) -> dict[str, dict[str, Any]]:
             "kvlease-kv-cache",
             "kvlease / Tenant KV cache",
             "Who holds the shared vLLM engine's KV cache, leases, and who loses blocks.",
-            kv_cache_panels(),
+            kv_cache_panels(tiers),
         ),
         "kvlease-usage.json": _dashboard(
             "kvlease-usage",
@@ -526,8 +700,20 @@ def render(tiers: TierTable) -> dict[str, str]:
     }
 
 
-def alert_rules(tiers: TierTable) -> list[dict[str, Any]]:
-    """Prometheus alerting rules; the first tier of the table is the one never to preempt."""
+RUNBOOK = "docs/alerts.md"  # `kvlease grafana build --runbook URL` for where yours is served
+
+
+def alert_rules(tiers: TierTable, runbook: str = RUNBOOK) -> list[dict[str, Any]]:
+    """Prometheus alerting rules, each with a `runbook_url` to its section of the runbook
+    (docs/alerts.md: an anchor per alert name, lower-cased); the first tier of the table is
+    the one never to preempt."""
+    rules = _rules(tiers)
+    for rule in rules:
+        rule["annotations"]["runbook_url"] = f"{runbook}#{rule['alert'].lower()}"
+    return rules
+
+
+def _rules(tiers: TierTable) -> list[dict[str, Any]]:
     top = next(iter(tiers))
     by = "sum by (job, instance)"
     return [
@@ -667,17 +853,17 @@ def alert_rules(tiers: TierTable) -> list[dict[str, Any]]:
     ]
 
 
-def render_alerts(tiers: TierTable) -> str:
+def render_alerts(tiers: TierTable, runbook: str = RUNBOOK) -> str:
     """The exact text of alerts.yml (so a test can compare)."""
     header = (
         "# Prometheus alerting rules for kvlease (load with rule_files: in prometheus.yml).\n"
         "# Generated by `kvlease grafana build` from grafana/build.py; do not edit.\n"
     )
-    doc = {"groups": [{"name": "kvlease", "rules": alert_rules(tiers)}]}
+    doc = {"groups": [{"name": "kvlease", "rules": alert_rules(tiers, runbook)}]}
     return header + yaml.safe_dump(doc, sort_keys=False, width=100)
 
 
-def render_kubernetes(tiers: TierTable) -> dict[str, str]:
+def render_kubernetes(tiers: TierTable, runbook: str = RUNBOOK) -> dict[str, str]:
     """deploy/kubernetes's generated files: the dashboards as ConfigMaps the Grafana
     sidecar picks up (label `grafana_dashboard`), and the alert rules as a
     prometheus-operator PrometheusRule."""
@@ -699,7 +885,7 @@ def render_kubernetes(tiers: TierTable) -> dict[str, str]:
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": "kvlease", "labels": {"app.kubernetes.io/part-of": "kvlease"}},
-        "spec": {"groups": [{"name": "kvlease", "rules": alert_rules(tiers)}]},
+        "spec": {"groups": [{"name": "kvlease", "rules": alert_rules(tiers, runbook)}]},
     }
     return {
         "grafana-dashboards.yaml": header + yaml.safe_dump_all(maps, sort_keys=False, width=100),
@@ -707,15 +893,18 @@ def render_kubernetes(tiers: TierTable) -> dict[str, str]:
     }
 
 
-def build(out: Path = DASHBOARD_DIR, tiers: TierTable | None = None) -> list[Path]:
+def build(
+    out: Path = DASHBOARD_DIR, tiers: TierTable | None = None, runbook: str = RUNBOOK
+) -> list[Path]:
     """Write the dashboards to `out`, and alerts.yml beside them (grafana/ by default), and
     their Kubernetes forms to deploy/kubernetes when writing the committed ones."""
     tiers = tiers or TierTable.load()
     out.mkdir(parents=True, exist_ok=True)
     files = {out / name: text for name, text in render(tiers).items()}
-    files[ALERTS_FILE if out == DASHBOARD_DIR else out / "alerts.yml"] = render_alerts(tiers)
+    alerts = render_alerts(tiers, runbook)
+    files[ALERTS_FILE if out == DASHBOARD_DIR else out / "alerts.yml"] = alerts
     if out == DASHBOARD_DIR and KUBERNETES_DIR.is_dir():
-        files |= {KUBERNETES_DIR / n: t for n, t in render_kubernetes(tiers).items()}
+        files |= {KUBERNETES_DIR / n: t for n, t in render_kubernetes(tiers, runbook).items()}
     for path, text in files.items():
         path.write_text(text)
     return list(files)

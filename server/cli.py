@@ -123,6 +123,12 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Write the dashboards' JSON; the cost panel uses the tier table's prices.",
     )
     gbuild.add_argument("--out", default=None, help="folder (default: grafana/dashboards)")
+    gbuild.add_argument(
+        "--runbook",
+        default=None,
+        help="URL of docs/alerts.md where your team serves it, for the alerts' runbook_url "
+        "(default: the relative path docs/alerts.md)",
+    )
     _add_tiers_arg(gbuild)
 
     replay = sub.add_parser(
@@ -337,10 +343,10 @@ def _usage_rebuild(args: argparse.Namespace) -> int:
 def _grafana_build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grafana.build import DASHBOARD_DIR, build
+    from grafana.build import DASHBOARD_DIR, RUNBOOK, build
 
     out = Path(args.out) if args.out else DASHBOARD_DIR
-    for path in build(out, TierTable.load(args.tiers)):
+    for path in build(out, TierTable.load(args.tiers), args.runbook or RUNBOOK):
         print(path)
     return 0
 

@@ -89,9 +89,10 @@ def test_dashboards_import_through_the_ui_and_provisioning():
     for doc in _dashboards().values():
         assert doc["__inputs"][0]["pluginId"] == "prometheus"
         variables = {v["name"]: v for v in doc["templating"]["list"]}
-        assert list(variables) == ["datasource", "job", "instance", "tier", "tenant"]
+        assert list(variables) == ["datasource", "job", "instance", "tier", "tenant", "live_page"]
         assert variables["datasource"]["current"]["value"] == "${DS_PROMETHEUS}"
         assert variables["tenant"]["multi"] and variables["tenant"]["includeAll"]
+        assert variables["tenant"]["allValue"] == ".*"  # tenants missing from the list too
         for panel in doc["panels"]:
             assert panel["description"] and panel["datasource"]["uid"] == "${datasource}"
             assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
@@ -99,6 +100,68 @@ def test_dashboards_import_through_the_ui_and_provisioning():
     assert datasources["datasources"][0]["type"] == "prometheus"
     providers = yaml.safe_load((HERE / "provisioning/dashboards/kvlease.yml").read_text())
     assert providers["providers"][0]["type"] == "file"
+
+
+def test_panels_tile_the_24_column_grid_with_stable_ids():
+    for name, doc in _dashboards().items():
+        panels = doc["panels"]
+        assert [p["id"] for p in panels] == list(range(1, len(panels) + 1)), name
+        cells = set()
+        for p in panels:
+            g = p["gridPos"]
+            assert g["x"] >= 0 and g["x"] + g["w"] <= 24, (name, p["title"], g)
+            mine = {
+                (x, y)
+                for x in range(g["x"], g["x"] + g["w"])
+                for y in range(g["y"], g["y"] + g["h"])
+            }
+            assert not cells & mine, (name, p["title"], "overlaps")
+            cells |= mine
+
+
+def test_every_panel_has_a_unit_a_floor_and_its_alerts_level():
+    by_title = {p["title"]: p for d in _dashboards().values() for p in d["panels"]}
+    for title, panel in by_title.items():
+        defaults = panel["fieldConfig"]["defaults"]
+        assert defaults["unit"] not in ("", "short"), title  # say what is counted
+        assert defaults["min"] == 0, title
+
+    def steps(title):
+        d = by_title[title]["fieldConfig"]["defaults"]
+        return [(s.get("value"), s["color"]) for s in d["thresholds"]["steps"]]
+
+    assert steps("Pool in use") == [(None, "green"), (0.8, "orange"), (0.95, "red")]
+    assert steps("Lease hit ratio by tier") == [(None, "red"), (0.9, "green")]
+    assert steps("Fair share within the tier") == [(None, "red"), (0.5, "green")]
+    assert steps("Monthly budget used by tenant") == [(None, "green"), (0.8, "orange"), (1, "red")]
+    for title in ("Premium preemptions", "Leased prefix evictions", "Ledger problems"):
+        assert steps(title) == [(None, "green"), (1, "red")], title
+    for title in ("Pool in use over time", "Lease hit ratio by tier", "Ledger problems"):
+        custom = by_title[title]["fieldConfig"]["defaults"]["custom"]
+        assert custom["thresholdsStyle"]["mode"] == "dashed", title  # the level is drawn
+    assert by_title["Pool in use"]["fieldConfig"]["defaults"]["max"] == 1
+
+
+def test_the_dashboards_link_each_other_and_the_live_page():
+    docs = _dashboards()
+    for doc in docs.values():
+        kinds = {link["type"]: link for link in doc["links"]}
+        assert "kvlease" in doc["tags"] and kinds["dashboards"]["tags"] == ["kvlease"]
+        assert kinds["dashboards"]["keepTime"] and kinds["dashboards"]["includeVars"]
+        assert kinds["link"]["url"] == "${live_page}"
+        live = next(v for v in doc["templating"]["list"] if v["name"] == "live_page")
+        assert live["type"] == "constant" and live["query"].startswith("http://")
+
+
+def test_every_alert_links_its_runbook_section():
+    runbook = (HERE.parent / "docs" / "alerts.md").read_text()
+    anchors = set(re.findall(r"^## (\S+)$", runbook, re.M))
+    for rule in _alert_rules():
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"docs/alerts.md#{rule['alert'].lower()}"
+        assert url.split("#")[1] in anchors, rule["alert"]
+        assert f"**{rule['alert']}**" in runbook
+    assert len(anchors) == len(_alert_rules())
 
 
 def test_readme_describes_every_panel():

@@ -55,6 +55,7 @@ def _stats(prompt=10, cached=4, output=6, reason=1):
         queued_time=0.1,
         prefill_time=0.2,
         e2e_latency=1.5,
+        mean_time_per_output_token=0.03,
     )
 
 
@@ -160,6 +161,14 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
     ttft = "vllm_tenant_time_to_first_token_seconds"
     assert value(ttft, tier="premium", le="0.25") == 0  # queued 0.1 + prefill 0.2
     assert value(ttft, tier="premium", le="0.5") == 1
+    mine = families["vllm_tenant_tenant_time_to_first_token_seconds"].samples
+    acme = {s.name.rsplit("_", 1)[-1]: s.value for s in mine if s.labels["tenant_id"] == "acme"}
+    assert acme["count"] == 1 and acme["sum"] == pytest.approx(0.3)
+    assert value("vllm_tenant_request_queue_time_seconds", tier="premium", le="0.1") == 1
+    tpot = "vllm_tenant_request_time_per_output_token_seconds"
+    assert (
+        value(tpot, tier="premium", le="0.025") == 0 and value(tpot, tier="premium", le="0.05") == 1
+    )
     assert value("vllm_tenant_active_swapped_blocks", tenant_id="acme") == 0
     assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="reused") == 320
     assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="lost") == 32
@@ -190,7 +199,7 @@ def test_a_flood_of_100000_tenants_keeps_metrics_under_a_fixed_size(tiers):
     families, text = _scrape(metrics)
     tenants = {s.labels["tenant_id"] for s in families["vllm_tenant_requests"].samples}
     assert len(tenants) == 501 and OTHER in tenants
-    assert len(text.encode()) < 400_000
+    assert len(text.encode()) < 500_000  # 501 labels x (tokens, requests, mean TTFT)
     other = [
         s.value
         for s in families["vllm_tenant_requests"].samples
