@@ -19,7 +19,7 @@ NODE_DIR := $(VENV)/node
 DEMO_DEB_PACKAGES := prometheus
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: demo test test-vllm-next bench lint venv deb
+.PHONY: demo test test-vllm-next bench lint venv deb screenshots
 
 demo: $(STAMP)
 	-@$(MAKE) --no-print-directory deb DEB_PACKAGES="$(DEMO_DEB_PACKAGES)"
@@ -56,6 +56,10 @@ bench: $(STAMP)
 	$(PY) -m bench.calibrate $(BENCH_ARGS)
 	$(PY) -m bench.replay $(BENCH_ARGS)
 	$(PY) -m bench.ablations $(BENCH_ARGS)
+
+# docs/'s screenshots, taken by the browser test from the real page under load.
+screenshots: $(STAMP) deb
+	KVLEASE_TEST_ARTIFACTS=docs $(PY) -m pytest -q tests/test_dashboard_browser.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -10,9 +10,10 @@ from datetime import UTC, date, datetime, timedelta
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, usage, whatif
+from dashboard import charts, data, health, usage, whatif
 from engine.budgets import BUDGETS_ENV, BudgetTable
 from engine.tenancy import TierTable
+from exporters import metrics as m
 from exporters import money, statement
 from exporters.billing import GRANULARITIES, parse_window
 
@@ -57,6 +58,11 @@ def budget_table() -> BudgetTable | None:
     return BudgetTable.load(path) if path else None
 
 
+@st.cache_data(ttl=2.0, show_spinner=False, max_entries=2)
+def load_alerts(url: str) -> list[dict]:
+    return data.PrometheusSource(url).alerts()
+
+
 @st.cache_data(ttl=30, show_spinner=False, max_entries=8)
 def load_prometheus_totals(url: str, start: float, end: float) -> dict:
     return usage.PrometheusTotals(url).totals(start, end)
@@ -85,6 +91,67 @@ def live_page() -> None:
     live_panel(source, url, token or None, minutes, int(top), search)
 
 
+def health_strip(live: data.Live, minutes: int) -> None:
+    """What is wrong, if anything, before any chart: alerts, then five figures."""
+    top = next(iter(tier_table()))
+    try:
+        alerts = (
+            health.from_prometheus(load_alerts(CONFIG.prometheus))
+            if CONFIG.prometheus
+            else health.evaluate(live, top, minutes)
+        )
+        where = "Prometheus" if CONFIG.prometheus else "the engine's figures"
+    except data.SourceError as err:
+        alerts, where = health.evaluate(live, top, minutes), f"the engine's figures ({err})"
+    s = health.strip(live, alerts, top)
+    say = st.error if s.firing else st.warning if s.pending else st.success
+    say(f"**{s.headline}**  \nAlerts from {where}.")
+    for a in s.alerts:
+        st.markdown(f"- `{a.state}` **{a.name}** ({a.severity}): {a.summary}")
+    c1, c2, c3, c4, c5 = st.columns(5)
+    c1.metric(
+        "Pool held",
+        f"{s.held:.0%}",
+        help="Blocks holding anything: running requests, lease-kept and other cached "
+        f"prefixes. {s.in_use:.0%} is in use by running requests (vLLM counts cached blocks "
+        "as free: they are evicted, lease-kept last, when work needs room).",
+    )
+    c2.metric("Pool in use (running)", f"{s.in_use:.0%}", help="What the 95% alert reads.")
+    c3.metric(
+        "Lease hit",
+        "-" if s.lease_hit is None else f"{s.lease_hit:.0%}",
+        None if s.lease_hit is None else f"target {m.LEASE_HIT_ALERT:.0%}",
+        delta_color="off",
+        help="Of the prefix tokens running leases were keeping, the share leased sessions' "
+        "next turns found in the cache, over the window.",
+    )
+    c4.metric(f"{s.top_tier.capitalize()} preemptions ({minutes} min)", s.top_preemptions)
+    c5.metric("Waiting requests", "-" if s.waiting is None else s.waiting)
+
+
+def event_timeline(events: pd.DataFrame) -> None:
+    st.markdown("**Event timeline**")
+    c1, c2, c3 = st.columns(3)
+    kinds = c1.multiselect("Kinds", data.EVENT_KINDS, key="event_kinds")
+    tiers = c2.multiselect("Tiers", sorted(set(events["tier"])), key="event_tiers")
+    tenant = c3.text_input("Tenant contains", key="event_tenant")
+    shown = data.filter_events(events, kinds, tiers, tenant)
+    st.plotly_chart(charts.events_timeline(shown), key="events")
+    st.dataframe(
+        shown.head(EVENTS_LISTED),
+        hide_index=True,
+        key="event_list",
+        column_config={
+            "t": st.column_config.DatetimeColumn("time (UTC)", format="HH:mm:ss"),
+            "tenant_id": "tenant",
+            "n": st.column_config.NumberColumn("requests or blocks"),
+        },
+    )
+
+
+EVENTS_LISTED = 200
+
+
 @st.fragment(run_every=CONFIG.refresh_seconds)
 def live_panel(source: str, url: str, token: str | None, minutes: int, top: int, search: str):
     try:
@@ -92,45 +159,37 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
     except data.SourceError as err:
         st.error(str(err))
         return
+    health_strip(live, minutes)
     st.caption(f"Updated {datetime.now(UTC):%H:%M:%S} UTC, every {CONFIG.refresh_seconds:g} s")
     if live.empty:
         st.info("No tenant holds KV blocks yet: the engine has not served a tenant request.")
-    waiting = "—" if live.waiting is None else live.waiting
-    running = "—" if live.running is None else live.running
-    hit = live.lease_hit_ratio
-    c1, c2, c3, c4, c5 = st.columns(5)
-    c1.metric("Pool in use", f"{live.utilisation:.0%}")
-    c2.metric("Free blocks", f"{live.free_blocks} / {live.pool_blocks}")
-    c3.metric(
-        "Lease hit ratio",
-        "—" if hit is None else f"{hit:.0%}",
-        help="Of the prefix tokens running leases were keeping, the share that leased "
-        "sessions' next turns found in the cache, over the window.",
-    )
-    c4.metric("Running requests", running)
-    c5.metric("Waiting requests", waiting)
 
     left, right = st.columns([1, 3])
     left.plotly_chart(charts.pool_bar(live.pool_states, live.pool_blocks), key="pool")
     shown = data.pick_tenants(live.tenants, search, top)
     right.markdown(f"**Tenants** ({len(shown)} of {len(live.tenants)})")
+    table = data.tenant_display(shown)
     right.dataframe(
-        shown,
+        table,
         hide_index=True,
+        key="live_tenants",
         column_config={
-            "tenant_id": "tenant",
-            "cached_leased": "cached, leased",
-            "held": st.column_config.NumberColumn("held", help="running + leased cached blocks"),
-            "lease_seconds_left": st.column_config.NumberColumn("lease s left", format="%.0f"),
-            "preemptions_5m": "preemptions (5 min)",
-            "evictions_5m": "evicted blocks (5 min)",
-            "reserved_5m": st.column_config.NumberColumn(
-                "reserved block-s (5 min)",
+            **{
+                c: st.column_config.NumberColumn(format="localized")
+                for c in table.columns
+                if table[c].dtype.kind in "if"
+            },
+            "Tenant": st.column_config.TextColumn(pinned=True),
+            "Held blocks (running + lease-kept)": st.column_config.NumberColumn(
+                format="localized", help="what the tenant keeps from others now"
+            ),
+            "Reserved block-seconds (5 min)": st.column_config.NumberColumn(
+                format="localized",
                 help="KV retention: block-seconds its leased sessions kept lower tiers out of "
                 "between turns (billed)",
             ),
-            "retained_5m": st.column_config.NumberColumn(
-                "retained block-s (5 min)",
+            "Retained block-seconds (5 min)": st.column_config.NumberColumn(
+                format="localized",
                 help="KV retention: block-seconds its leased sessions' blocks were kept, "
                 "evicted last, between turns (billed)",
             ),
@@ -152,7 +211,7 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
         )
     keep = data.top_tenant_ids(live.occupancy, top)
     st.plotly_chart(charts.occupancy_area(data.top_occupancy(live.occupancy, keep)), key="blocks")
-    st.plotly_chart(charts.events_timeline(live.events), key="events")
+    event_timeline(live.events)
     st.plotly_chart(charts.lease_hit_lines(data.lease_hit_series(live.lease_reuse)), key="lease")
     fair = data.fair_share_table(live.fair_share, pd.Timestamp.now(tz="UTC"))
     st.markdown(

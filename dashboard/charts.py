@@ -56,12 +56,12 @@ def pool_bar(states: dict[str, int], pool_blocks: int) -> go.Figure:
     )
     fig.update_layout(
         barmode="stack",
-        title=f"KV pool ({pool_blocks} blocks)",
-        height=230,
-        margin={"t": 50, "b": 10, "l": 30, "r": 30},
-        xaxis={"range": [0, max(1, pool_blocks)], "title": "blocks"},
+        title=f"KV pool: {pool_blocks} blocks",
+        height=240,
+        margin={"t": 50, "b": 70, "l": 30, "r": 30},
+        xaxis={"range": [0, max(1, pool_blocks)]},  # blocks: the title says so
         yaxis={"visible": False},
-        legend={"orientation": "h", "y": -0.3},
+        legend={"orientation": "h", "y": -0.35, "yanchor": "top"},  # below the tick labels
     )
     return fig
 
@@ -91,7 +91,11 @@ def fair_share_bars(table: pd.DataFrame, top: int = 30) -> go.Figure:
     first, with the line under which the alert rule fires."""
     title = "Fair share within the tier: service / entitled while waiting (1 = its share)"
     if table.empty:
-        return _empty(title, "No tier had two tenants waiting at once in this window.")
+        return _empty(
+            title,
+            "No tenant was served while it still had requests waiting in this window:<br>"
+            "fair share compares tenants that keep a queue (several concurrent requests).",
+        )
     shown = table.head(top)
     fig = px.bar(
         shown,
@@ -129,31 +133,32 @@ def occupancy_area(occupancy: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def events_timeline(events: pd.DataFrame, bucket_seconds: int = 10) -> go.Figure:
-    """Preempted requests and evicted cached blocks per time bucket, by tier and reason."""
-    title = "Preemptions (requests) and cached-block evictions (blocks)"
+EVENT_SYMBOLS = {"alert": "diamond", "preemption": "x", "eviction": "square", "lease": "circle"}
+
+
+def events_timeline(events: pd.DataFrame) -> go.Figure:
+    """Every event of the window on one time axis, a row per kind (alerts, preemptions,
+    evictions, lease starts and expiries), coloured by tier; hover names the tenant, the
+    reason and how many requests or blocks."""
+    title = "Events: alerts, preemptions, evictions, leases"
     if events.empty:
-        return _empty(title, "No preemptions or evictions in this window.")
-    bucketed = (
-        events.assign(t=events["t"].dt.floor(f"{bucket_seconds}s"))
-        .groupby(["t", "kind", "tier", "reason"], as_index=False)["n"]
-        .sum()
-    )
-    fig = px.bar(
-        bucketed,
+        return _empty(title, "No event in this window (or none that the filters keep).")
+    order = [k for k in ("alert", "preemption", "eviction", "lease") if k in set(events["kind"])]
+    fig = px.scatter(
+        events,
         x="t",
-        y="n",
+        y="kind",
         color="tier",
-        pattern_shape="reason",
-        facet_row="kind",
-        category_orders={"kind": ["preemption", "eviction"]},
+        symbol="kind",
+        symbol_map=EVENT_SYMBOLS,
+        hover_data={"tenant_id": True, "reason": True, "n": True, "kind": False},
+        category_orders={"kind": order},
         color_discrete_map=TIER_COLORS,
-        labels={"t": "", "n": "", "tier": "tier", "reason": "reason"},
+        labels={"t": "", "kind": "", "tenant_id": "tenant", "n": "requests or blocks"},
         title=title,
     )
-    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
-    fig.update_layout(height=420, bargap=0.1)
-    fig.update_yaxes(matches=None)
+    fig.update_traces(marker={"size": 10, "opacity": 0.8})
+    fig.update_layout(height=120 + 60 * len(order), legend={"title": "tier"})
     return fig
 
 

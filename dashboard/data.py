@@ -53,7 +53,8 @@ TENANT_COLUMNS = [
     "reserved_5m",  # KV retention block-seconds (leased blocks between turns), last 5 min
     "retained_5m",
 ]
-EVENT_COLUMNS = ["t", "kind", "tier", "reason", "n"]
+EVENT_COLUMNS = ["t", "kind", "tier", "tenant_id", "reason", "n"]
+EVENT_KINDS = ("alert", "preemption", "eviction", "lease")  # the timeline's rows, top down
 LEASE_COLUMNS = ["t", "tier", "reused", "lost"]  # prefix tokens of leased next turns, per interval
 FAIR_COLUMNS = ["t", "tenant_id", "tier", "served", "entitled"]  # weighted tokens, per interval
 # One row per engine (data-parallel rank; "instance/rank" across replicas), now.
@@ -189,7 +190,7 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         for i, s in enumerate(STATES)
     ]
     events = [
-        (e["t"], e["kind"], e["tier"] or "unclassified", e["reason"], _event_n(e))
+        (e["t"], e["kind"], e["tier"] or "unclassified", e["tenant_id"], e["reason"], _event_n(e))
         for e in history.get("events", [])
     ]
     reuse = []  # increments between consecutive samples of the cumulative totals
@@ -211,7 +212,7 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         if e["t"] >= now - RECENT_SECONDS:
             if e["kind"] == "preemption":
                 preempted[e["tenant_id"]] += 1
-            else:
+            elif e["kind"] == "eviction":
                 evicted[e["tenant_id"]] += e["blocks"]
     recent = [s for s in samples if s["t"] >= now - RECENT_SECONDS]
     retention: dict[str, list[float]] = {}
@@ -265,7 +266,8 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
 
 
 def _event_n(event: dict[str, Any]) -> int:
-    return 1 if event["kind"] == "preemption" else event["blocks"]
+    """Requests for a preemption, blocks for an eviction, 1 for a lease start or expiry."""
+    return event["blocks"] if event["kind"] == "eviction" else 1
 
 
 def _tenant_row(
@@ -319,8 +321,11 @@ QUERIES = {
 # {step} is filled in per query: the increase over one step of the range.
 RANGE_QUERIES = {
     "occupancy": f"sum by (tenant_id, state) ({m.KV_BLOCKS.name})",
-    "preemptions": f"sum by (tier, reason) (increase({m.PREEMPTIONS.name}[{{step}}s]))",
-    "evictions": f"sum by (tier, leased) (increase({m.CACHED_EVICTIONS.name}[{{step}}s]))",
+    "preemptions": f"sum by (tenant_id, tier, reason) (increase({m.PREEMPTIONS.name}[{{step}}s]))",
+    "evictions": f"sum by (tenant_id, tier, leased) "
+    f"(increase({m.CACHED_EVICTIONS.name}[{{step}}s]))",
+    # the bundled rules' alerts while firing (Prometheus's own ALERTS series)
+    "alerts": 'max by (alertname, alertstate, tier, tenant_id) (ALERTS{{alertname=~"Kvlease.*"}})',
     "lease_reuse": f"sum by (tier, outcome) (increase({m.LEASE_REUSE.name}[{{step}}s]))",
     "fair_served": f"sum by (tenant_id, tier) (increase({m.FAIR_SERVED.name}[{{step}}s]))",
     "fair_entitled": f"sum by (tenant_id, tier) (increase({m.FAIR_ENTITLED.name}[{{step}}s]))",
@@ -338,15 +343,21 @@ class PrometheusSource:
         now = time.time()
         step = max(5, int(minutes * 60 / 120))  # about 120 points per series
         start = now - minutes * 60
-        instant = {n: self._api("query", {"query": q, "time": now}) for n, q in QUERIES.items()}
+        instant = {
+            n: self._api("query", {"query": q, "time": now})["result"] for n, q in QUERIES.items()
+        }
         window = {"start": start, "end": now, "step": step}
         ranged = {
-            n: self._api("query_range", {"query": q.format(step=step), **window})
+            n: self._api("query_range", {"query": q.format(step=step), **window})["result"]
             for n, q in RANGE_QUERIES.items()
         }
         return live_from_prometheus(instant, ranged)
 
-    def _api(self, endpoint: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    def alerts(self) -> list[dict[str, Any]]:
+        """Every alert Prometheus has firing or pending (`/api/v1/alerts`)."""
+        return self._api("alerts", {})["alerts"]
+
+    def _api(self, endpoint: str, params: dict[str, Any]) -> Any:
         try:
             r = httpx.get(f"{self.url}/api/v1/{endpoint}", params=params, timeout=self.timeout)
         except httpx.HTTPError as exc:
@@ -358,7 +369,7 @@ class PrometheusSource:
         if r.status_code != 200 or body.get("status") != "success":
             error = body.get("error") or r.text[:200]
             raise SourceError(f"Prometheus at {self.url} answered {r.status_code}: {error}")
-        return body["data"]["result"]
+        return body["data"]
 
 
 def live_from_prometheus(
@@ -406,22 +417,28 @@ def live_from_prometheus(
         for series in ranged.get("occupancy", [])
         for ts, v in series["values"]
     ]
+
+    def labels(s: dict[str, Any]) -> tuple[str, str]:
+        return s["metric"].get("tier", ""), s["metric"].get("tenant_id", "")
+
     events = [
-        (float(ts), "preemption", s["metric"].get("tier", ""), s["metric"].get("reason", ""), v)
+        (float(ts), "preemption", *labels(s), s["metric"].get("reason", ""), v)
         for s in ranged.get("preemptions", [])
         for ts, v in s["values"]
     ] + [
         (
             float(ts),
             "eviction",
-            s["metric"].get("tier", ""),
+            *labels(s),
             "leased_cache_eviction" if s["metric"].get("leased") == "true" else "cache_eviction",
             v,
         )
         for s in ranged.get("evictions", [])
         for ts, v in s["values"]
     ]
-    events = [(t, k, tier, reason, float(v)) for t, k, tier, reason, v in events if float(v) > 0]
+    events = [(*e[:5], float(e[5])) for e in events if float(e[5]) > 0] + _alert_starts(
+        ranged.get("alerts", [])
+    )
     reuse: dict[tuple[float, str], list[float]] = {}
     for s in ranged.get("lease_reuse", []):
         slot = m.LEASE_OUTCOMES.index(s["metric"].get("outcome", "lost"))
@@ -461,6 +478,25 @@ def live_from_prometheus(
     )
 
 
+def _alert_starts(series: list[dict[str, Any]]) -> list[tuple]:
+    """An event where each alert's ALERTS series starts again after a gap: when it went
+    pending or firing."""
+    out = []
+    for s in series:
+        name, state = s["metric"].get("alertname", ""), s["metric"].get("alertstate", "")
+        step = None
+        last = None
+        for ts, _ in s["values"]:
+            t = float(ts)
+            if last is not None and step is None:
+                step = t - last
+            if last is None or (step is not None and t - last > step * 1.5):
+                tier, tenant = s["metric"].get("tier", ""), s["metric"].get("tenant_id", "")
+                out.append((t, "alert", tier, tenant, f"{name} {state}", 1.0))
+            last = t
+    return out
+
+
 # -- shaping for the page ---------------------------------------------------------------------
 
 
@@ -496,6 +532,48 @@ def fair_share_table(fair: pd.DataFrame, now: pd.Timestamp) -> pd.DataFrame:
     out = pd.DataFrame({"window": window["served"] / window["entitled"]})
     out["now"] = recent["served"] / recent["entitled"]
     return out.reset_index()[columns].sort_values(["window", "tenant_id"]).reset_index(drop=True)
+
+
+# The live tenant table as the page shows it: who, how much, who lost what, then detail.
+TENANT_HEADERS = {
+    "tenant_id": "Tenant",
+    "tier": "Tier",
+    "held": "Held blocks (running + lease-kept)",
+    "preemptions_5m": "Preemptions (5 min)",
+    "evictions_5m": "Evicted blocks (5 min)",
+    "running": "Running blocks",
+    "cached_leased": "Lease-kept cached blocks",
+    "cached": "Other cached blocks",
+    "leases": "Active leases",
+    "lease_seconds_left": "Lease time left (s)",
+    "reserved_5m": "Reserved block-seconds (5 min)",
+    "retained_5m": "Retained block-seconds (5 min)",
+}
+
+
+def tenant_display(tenants: pd.DataFrame) -> pd.DataFrame:
+    """`pick_tenants`' rows with plain headers, the figures an SRE acts on first, and `-`
+    where a figure does not exist (no tier, no lease running)."""
+    out = tenants.assign(
+        tier=[t or "-" for t in tenants["tier"]],
+        lease_seconds_left=[
+            "-" if pd.isna(v) else f"{v:,.0f}" for v in tenants["lease_seconds_left"]
+        ],
+    )
+    return out[list(TENANT_HEADERS)].rename(columns=TENANT_HEADERS)
+
+
+def filter_events(events: pd.DataFrame, kinds=(), tiers=(), tenant: str = "") -> pd.DataFrame:
+    """The timeline's events of the chosen kinds and tiers (none chosen: all), whose
+    tenant contains `tenant` (any case); newest first."""
+    keep = pd.Series(True, index=events.index)
+    if kinds:
+        keep &= events["kind"].isin(list(kinds))
+    if tiers:
+        keep &= events["tier"].isin(list(tiers))
+    if tenant:
+        keep &= events["tenant_id"].fillna("").str.contains(tenant, case=False, regex=False)
+    return events[keep].sort_values("t", ascending=False).reset_index(drop=True)
 
 
 def pick_tenants(tenants: pd.DataFrame, search: str = "", top: int = 20) -> pd.DataFrame:

@@ -8,8 +8,9 @@ events the engine channel already brings:
   cumulative lease reuse per tier (tokens reused, lost) and fair-share service per
   tenant (weighted tokens served, entitled), at most one per `every`
   seconds, for `window` seconds;
-- preemption and cached-block eviction events, for `window` seconds, at most
-  `max_events` (the oldest go first).
+- preemption, cached-block eviction and lease start and expiry events (the live page's
+  event timeline), for `window` seconds, at most `max_events` (the oldest go first);
+  lease renewals (every turn of a leased session) are left out.
 
 Times are wall clock (the engine stamps events on the machine's monotonic clock,
 which every process shares; they are converted on arrival).
@@ -24,11 +25,12 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.accounting import LEASE_OUTCOMES
-from engine.events import EngineState, Eviction, Preemption
+from engine.events import EngineState, Eviction, LeaseEvent, Preemption
 from engine.retention import STATES as RETENTION_STATES
 from exporters.ranks import merge_states
 
 Label = Callable[[str | None], str]
+LEASE_KINDS = ("start", "expire")  # kept on the timeline; "renew" is every leased turn
 
 
 def _lease_reuse(state: EngineState) -> dict[str, list[int]]:
@@ -98,11 +100,14 @@ class History:
             )
 
     def add_event(self, event: object, engine: int = 0) -> None:
+        blocks = getattr(event, "blocks", 0)
         if isinstance(event, Preemption):
             kind, reason = "preemption", event.reason
         elif isinstance(event, Eviction):
             kind = "eviction"
             reason = "leased_cache_eviction" if event.leased else "cache_eviction"
+        elif isinstance(event, LeaseEvent) and event.kind in LEASE_KINDS:
+            kind, reason = "lease", event.kind
         else:
             return
         wall = time.time() - max(0.0, time.monotonic() - event.at)
@@ -114,7 +119,7 @@ class History:
                     "tenant_id": self.label(event.tenant_id),
                     "tier": event.tier,
                     "reason": reason,
-                    "blocks": event.blocks,
+                    "blocks": blocks,
                     "engine": engine,
                 }
             )

@@ -163,7 +163,11 @@ def test_browser_sees_tenants_and_a_live_chart(traffic, dashboard, browser):
         legend = page.locator(".js-plotly-plot .legendtext", has_text=tenant)
         legend.first.wait_for(timeout=90_000)
     assert max(page.evaluate(PLOTTED_POINTS)) > 0  # the area chart has data, not a placeholder
-    assert page.get_by_text("Pool in use", exact=True).count() == 1
+    # The health strip leads: alerts (from the Prometheus the dashboard was given) and the
+    # pool as held, then the event timeline with its filters.
+    assert page.get_by_text("Pool held", exact=True).count() == 1
+    assert page.get_by_text("Alerts from Prometheus.").count() == 1
+    assert page.get_by_text("Event timeline", exact=True).count() == 1
     assert page.locator("[data-testid='stException']").count() == 0
     # It refreshes itself in place: the stamp moves on, and a marker set in this page
     # survives (a reload would wipe it).
@@ -186,11 +190,11 @@ def test_prometheus_as_the_source_gives_the_same_tenants(server, traffic, monkey
         wait_for_series(prom, 'vllm_tenant_kv_blocks{tenant_id="premium-a"}')
         app = _app(monkeypatch, {data.PROMETHEUS_ENV: prom})
         assert not app.exception and not app.error
-        tenants = app.dataframe[0].value.set_index("tenant_id")
+        tenants = app.dataframe[0].value.set_index("Tenant")
         # Leased sessions hold blocks at every instant; a free tenant may hold none just
         # then (preempted, its prefix evicted), so it is not required.
         assert {"premium-a", "standard-a"} <= set(tenants.index) <= {t for t, _ in TENANTS}
-        assert tenants.loc["premium-a", "tier"] == "premium"
+        assert tenants.loc["premium-a", "Tier"] == "premium"
 
 
 def test_browser_downloads_the_cli_csv_from_the_usage_page(

@@ -181,7 +181,8 @@ def test_the_fair_share_view_ranks_tenants_kept_under_their_share_first():
     assert table["now"].isna().all()  # nothing in the last minute: not a made-up 1.0
     assert {b.name for b in charts.fair_share_bars(table).data} == {"free"}
     empty = data.fair_share_table(live.fair_share.iloc[0:0], pd.Timestamp.now(tz="UTC"))
-    assert charts.fair_share_bars(empty).layout.annotations[0].text.startswith("No tier")
+    message = charts.fair_share_bars(empty).layout.annotations[0].text
+    assert message.startswith("No tenant was served while it still had requests waiting")
 
 
 def _vector(metric: dict, value: float) -> dict:
@@ -272,19 +273,72 @@ def test_tenants_outside_the_top_are_summed_into_other():
     assert {t.name for t in figure.data} == {"a", "other"}
 
 
-def test_timeline_buckets_events_by_tier_and_reason():
-    events = data._frame(
-        [
-            (1_796_000_001.0, "preemption", "free", "kv_pressure", 1),  # one 10 s bucket
-            (1_796_000_002.0, "preemption", "free", "kv_pressure", 1),
-            (1_796_000_003.0, "eviction", "standard", "cache_eviction", 4),
-        ],
-        data.EVENT_COLUMNS,
+def _events(*rows) -> pd.DataFrame:
+    return data._frame(list(rows), data.EVENT_COLUMNS)
+
+
+def test_the_timeline_filters_by_kind_tier_and_tenant_newest_first():
+    events = _events(
+        (1_796_000_001.0, "preemption", "free", "bob", "kv_pressure", 1),
+        (1_796_000_002.0, "lease", "premium", "acme", "start", 1),
+        (1_796_000_003.0, "eviction", "standard", "Cy", "cache_eviction", 4),
+        (1_796_000_004.0, "alert", "", "", "KvleasePoolNearlyFull firing", 1),
     )
-    figure = charts.events_timeline(events, bucket_seconds=10)
-    bars = {(t.name, tuple(t.y)) for t in figure.data}
-    assert ("free, kv_pressure", (2,)) in bars
-    assert ("standard, cache_eviction", (4,)) in bars
+    assert list(data.filter_events(events)["kind"]) == ["alert", "eviction", "lease", "preemption"]
+    assert list(data.filter_events(events, kinds=["lease"])["tenant_id"]) == ["acme"]
+    assert list(data.filter_events(events, tiers=["free", "standard"])["n"]) == [4, 1]
+    assert list(data.filter_events(events, tenant="cy")["tenant_id"]) == ["Cy"]
+    figure = charts.events_timeline(data.filter_events(events))
+    assert {p for t in figure.data for p in t.y} == {"alert", "preemption", "eviction", "lease"}
+    empty = charts.events_timeline(data.filter_events(events, tenant="nobody"))
+    assert empty.layout.annotations[0].text.startswith("No event")
+
+
+def test_lease_starts_and_expiries_reach_the_timeline_but_not_renewals():
+    history = History(TenantLabels(), window=600, every=1.0)
+    mono = time.monotonic()
+    for kind in ("start", "renew", "expire"):
+        history.add_event(LeaseEvent(mono, "acme", "s1", "premium", kind, None))
+    live = data.live_from_engine(_state(), history.since(600), time.time())
+    assert list(live.events["reason"]) == ["start", "expire"]
+    assert set(live.events["kind"]) == {"lease"} and set(live.events["tenant_id"]) == {"acme"}
+    assert live.tenants.empty or live.tenants["evictions_5m"].sum() == 0  # not evictions
+
+
+def test_prometheus_alerts_become_timeline_events_where_each_firing_starts():
+    series = [
+        {
+            "metric": {
+                "alertname": "KvleaseLeaseEvictions",
+                "alertstate": "firing",
+                "tier": "free",
+            },
+            "values": [[100, "1"], [105, "1"], [110, "1"], [200, "1"], [205, "1"]],
+        }
+    ]
+    live = data.live_from_prometheus({}, {"alerts": series})
+    starts = live.events[live.events["kind"] == "alert"]
+    assert [t.timestamp() for t in starts["t"]] == [100.0, 200.0]  # two firings, a gap between
+    assert set(starts["reason"]) == {"KvleaseLeaseEvictions firing"}
+
+
+def test_the_live_tenant_table_reads_plain_and_shows_dashes_not_none():
+    state = _state(acme=(3, 2, 1), bob=(4, 0, 6))
+    live = data.live_from_engine(state, _history(state).since(600), time.time())
+    table = data.tenant_display(data.pick_tenants(live.tenants))
+    assert list(table.columns[:5]) == [
+        "Tenant",
+        "Tier",
+        "Held blocks (running + lease-kept)",
+        "Preemptions (5 min)",
+        "Evicted blocks (5 min)",
+    ]
+    rows = table.set_index("Tenant")
+    assert (
+        rows.loc["bob", "Lease time left (s)"] == "-"
+        and rows.loc["acme", "Lease time left (s)"] == "290"
+    )
+    assert not table.isna().any().any()
 
 
 def test_config_comes_from_the_environment_and_refresh_is_at_least_2_s():
