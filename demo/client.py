@@ -44,6 +44,7 @@ class LoadStats:
     requests: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)  # 429: the tier's in-flight cap
     errors: Counter[str] = field(default_factory=Counter)
+    error_statuses: Counter[int] = field(default_factory=Counter)  # HTTP status, 0: no answer
     output_tokens: Counter[str] = field(default_factory=Counter)
     ttft: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TIERS})
     latency: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TIERS})
@@ -78,11 +79,14 @@ async def play(
     stop: asyncio.Event,
     max_context: int = 1400,
     max_requests: int | None = None,
+    streams: dict[str, int] | None = None,
 ) -> None:
-    """One task per tenant, each playing that tenant's sessions from `sessions` in order,
-    until the sessions run out, `stop` is set, or `max_requests` requests have completed.
-    A session ends early once its conversation would pass `max_context` tokens (the
-    server's context length), as a chat app would start a new one."""
+    """One task per tenant (`streams[tenant]` for a tenant with several concurrent chat
+    streams), each playing that tenant's sessions from `sessions` in order, until the
+    sessions run out, `stop` is set, or `max_requests` requests have completed. A session
+    ends early once its next turn could pass `max_context` tokens (the server's context
+    length, counted from the server's own token usage), as a chat app would start a new
+    one."""
     source = iter(sessions)
     queued: dict[str, deque[list[Turn]]] = {t: deque() for t in tenants}
 
@@ -103,7 +107,10 @@ async def play(
             token = token_for(session[0])
             await _session(session, base_url, token, model, stats, done, max_context)
 
-    tasks = [asyncio.create_task(tenant_loop(t)) for t in list(queued)]
+    streams = streams or {}
+    tasks = [
+        asyncio.create_task(tenant_loop(t)) for t in list(queued) for _ in range(streams.get(t, 1))
+    ]
     try:
         await asyncio.gather(*tasks)
     finally:
@@ -123,27 +130,32 @@ async def _session(
 ) -> None:
     client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=300)
     history: list[dict[str, str]] = []
-    context = 0  # tokens the conversation holds, as the trace counts them
+    context = 0  # tokens the conversation holds: the server's count after each reply
     try:
         for turn in turns:
-            context += turn.input_tokens + turn.output_tokens
-            if context > max_context or done():
+            # The next turn's text is estimated (its words at TOKENS_PER_WORD), so it is
+            # given twice its estimate, and the chat template its margin, before it is sent.
+            if context + 2 * turn.input_tokens + turn.output_tokens > max_context or done():
                 return
             history.append({"role": "user", "content": prompt(turn)})
-            reply = await ask(client, model, history, turn, stats)
-            if reply is None:
+            answer = await ask(client, model, history, turn, stats)
+            if answer is None:
                 await asyncio.sleep(1)  # a refusal (429) or an error: back off, as a user would
                 return
+            reply, held = answer
+            context = held or context + 2 * turn.input_tokens + turn.output_tokens
             # The whole conversation goes with the next turn: its prefix is this one's.
             history.append({"role": "assistant", "content": reply})
     finally:
         await client.close()
 
 
-async def ask(client, model, history, turn: Turn, stats: LoadStats) -> str | None:
-    """Stream one chat turn; the reply's text, or None after a refusal or an error."""
+async def ask(client, model, history, turn: Turn, stats: LoadStats) -> tuple[str, int] | None:
+    """Stream one chat turn: the reply's text and the tokens the conversation now holds
+    (the server's prompt plus completion count), or None after a refusal or an error."""
     sent = time.monotonic()
     first = None
+    held = 0
     parts: list[str] = []
     try:
         stream = await client.chat.completions.create(
@@ -161,15 +173,17 @@ async def ask(client, model, history, turn: Turn, stats: LoadStats) -> str | Non
                 parts.append(chunk.choices[0].delta.content)
             if chunk.usage is not None:
                 stats.output_tokens[turn.tier] += chunk.usage.completion_tokens
+                held = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
     except openai.RateLimitError:
         stats.rejected[turn.tier] += 1
         return None
     except openai.APIError as err:
         stats.errors[turn.tier] += 1
+        stats.error_statuses[getattr(err, "status_code", 0) or 0] += 1
         stats.last_errors = [*stats.last_errors[-4:], f"{turn.tenant_id}: {err}"]
         return None
     stats.requests[turn.tier] += 1
     stats.latency[turn.tier].append(time.monotonic() - sent)
     if first is not None:
         stats.ttft[turn.tier].append(first)
-    return "".join(parts)
+    return "".join(parts), held

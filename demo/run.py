@@ -143,6 +143,7 @@ def run_demo(
     keyring = KeyRing.from_secret(secret)
     env = server_environment(secret)
     _interrupt_on_signals()
+    stats: LoadStats | None = None  # what the clients saw: kept when Ctrl-C stops them
     try:
         model = resolve_model(model)
         if not start_server(demo, model, tiers, tiers_path, env):
@@ -153,9 +154,9 @@ def run_demo(
             _start_dashboard(demo, dashboard_port, prom_url, admin, env) if dashboard else None
         )
         _banner(demo, keyring, tiers, dash_url, prom_url)
-        stats = _drive(demo, spec, keyring, tiers, duration, requests)
+        stats = LoadStats()
+        _drive(demo, spec, keyring, tiers, duration, requests, stats)
     except KeyboardInterrupt:
-        stats = None
         print("\ninterrupted", flush=True)
     finally:
         final = _scrape(demo)
@@ -279,7 +280,8 @@ def _start_dashboard(
 
 def _banner(demo, keyring, tiers, dash_url, prom_url) -> None:
     token = session_token(keyring, tiers, "premium-00", "premium", session="my-chat")
-    month = time.strftime("%Y-%m")
+    month = time.strftime("%Y-%m", time.gmtime())
+    kvlease = kvlease_command()
     lines = [
         "",
         "kvlease demo is running. Ctrl-C stops everything.",
@@ -297,19 +299,37 @@ def _banner(demo, keyring, tiers, dash_url, prom_url) -> None:
         f"    python -c \"import openai; c = openai.OpenAI(base_url='{demo.url}/v1', "
         f"api_key='$TOKEN'); print(c.chat.completions.create(model='{MODEL}', "
         "messages=[{'role': 'user', 'content': 'Hi'}], max_tokens=20).choices[0].message)\"",
-        "  this month's usage as FOCUS CSV:",
-        f"    kvlease usage export --usage-db sqlite:///{demo.ledger} --from {month}-01 "
+        "  this month's usage as FOCUS CSV, and a line per tenant:",
+        f"    {kvlease} usage export --usage-db sqlite:///{demo.ledger} --month {month} "
         "--granularity day -o usage.csv",
+        f"    {kvlease} usage export --usage-db sqlite:///{demo.ledger} --month {month} "
+        "--format summary",
         "",
     ]
     print("\n".join(lines), flush=True)
 
 
-def _drive(demo, spec, keyring, tiers, duration, requests) -> LoadStats:
+def kvlease_command() -> str:
+    """How to run `kvlease` from this shell: the name when it is on PATH, else the
+    venv's script (after `make demo` it is `.venv/bin/kvlease`, not on PATH)."""
+    if shutil.which("kvlease"):
+        return "kvlease"
+    script = Path(sys.executable).parent / "kvlease"
+    with contextlib.suppress(ValueError):
+        return str(script.relative_to(Path.cwd()))
+    return str(script)
+
+
+def _drive(demo, spec, keyring, tiers, duration, requests, stats: LoadStats) -> None:
+    """Play the demo's traffic into `stats` (the caller's, so Ctrl-C keeps it)."""
     names = dict(tenant_names(spec))
+    streams = heavy_tenant(spec)
     counts = " · ".join(f"{n} {t}" for t, n in zip(TIERS, spec.tenants, strict=True))
-    _say(f"traffic: {len(names)} tenants ({counts}), one chat stream each, ~4 turns a session")
-    stats = LoadStats()
+    heavy = ", ".join(f"{t} {n}" for t, n in streams.items())
+    _say(
+        f"traffic: {len(names)} tenants ({counts}), one chat stream each ({heavy} at once: "
+        "fair share at work), ~4 turns a session"
+    )
 
     def token_for(turn) -> str:
         return session_token(keyring, tiers, turn.tenant_id, turn.tier, session=turn.session_id)
@@ -327,6 +347,7 @@ def _drive(demo, spec, keyring, tiers, duration, requests) -> LoadStats:
                 stop,
                 max_context=max_model_len(tiers) - CONTEXT_MARGIN,
                 max_requests=requests,
+                streams=streams,
             )
         )
         ticker = asyncio.create_task(_ticker(demo, stats, names))
@@ -343,7 +364,16 @@ def _drive(demo, spec, keyring, tiers, duration, requests) -> LoadStats:
             print(flush=True)
 
     asyncio.run(main())
-    return stats
+
+
+HEAVY_STREAMS = 4  # concurrent chat streams of the demo's one heavy tenant
+
+
+def heavy_tenant(spec) -> dict[str, int]:
+    """The lowest tier's first tenant keeps HEAVY_STREAMS chats going at once: a queue of
+    its own, so fair share has a tenant to hold to its share beside the tier's others."""
+    last = [t for t, tier in tenant_names(spec) if tier == TIERS[-1]]
+    return {last[0]: HEAVY_STREAMS} if len(last) > 1 else {}
 
 
 async def _ticker(demo: Demo, stats: LoadStats, names: dict[str, str]) -> None:
@@ -443,6 +473,19 @@ def _summary(
     print(f"cost per tenant ({tiers.currency}, from the ledger): ", end="")
     print(" · ".join(f"{tenant} {value:.4f}" for tenant, value in top) or "none")
     print(f"ledger: {demo.ledger} ({len(records)} records from this run)")
+    if stats and stats.error_statuses:
+        print(
+            "errors by HTTP status: "
+            + ", ".join(
+                f"{status or 'no answer'} x{n}"
+                for status, n in sorted(stats.error_statuses.items())
+            )
+        )
+        if any(400 <= status < 500 for status in stats.error_statuses):
+            print(
+                "  a 4xx is vLLM refusing a request before any engine work: nothing to bill, "
+                'so no ledger record (counted in vllm_tenant_requests_total{outcome="refused"})'
+            )
     if stats and stats.last_errors:
         print("last errors:", *stats.last_errors, sep="\n  ")
 
