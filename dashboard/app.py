@@ -5,6 +5,7 @@ environment (see data.Config)."""
 from __future__ import annotations
 
 import os
+import time
 from datetime import UTC, date, datetime, timedelta
 
 import pandas as pd
@@ -417,15 +418,28 @@ def what_if_page() -> None:
         "in force and a proposed one: `kvlease replay`, run in the background."
     )
     sources = (["ledger"] if CONFIG.usage_db else []) + ["trace"]
+    today = datetime.now(UTC).date()
+    preset = st.radio(
+        "Period", [usage.LAST_WEEK, *usage.PRESETS], horizontal=True, key="whatif_preset"
+    )
+    try:
+        if preset == usage.LAST_WEEK and CONFIG.usage_db:
+            first, after = usage.last_week_with_records(CONFIG.usage_db, today)
+        else:
+            first, after = usage.preset_window(
+                "Custom" if preset == usage.LAST_WEEK else preset, today
+            )
+    except data.SourceError as err:
+        st.error(str(err))
+        return
     with st.form("whatif"):
         source = st.radio(
             "Traffic", sources, horizontal=True, key="whatif_source",
             format_func={"ledger": "Usage ledger", "trace": "Trace CSV"}.get,
         )  # fmt: skip
         c1, c2 = st.columns(2)
-        today = datetime.now(UTC).date()
-        start = c1.date_input("From (UTC)", today - timedelta(days=7), key="whatif_from")
-        end = c2.date_input("To (UTC, exclusive)", today, key="whatif_to")
+        start = c1.date_input("From (UTC)", first, key=f"whatif_from_{preset}")
+        end = c2.date_input("To (UTC, exclusive)", after, key=f"whatif_to_{preset}")
         folder = CONFIG.whatif_dir or f"(set {whatif.WHATIF_DIR_ENV})"
         trace = st.text_input(f"Trace CSV (a file under {folder})", key="whatif_trace")
         tiers = st.text_input(
@@ -462,6 +476,7 @@ def what_if_page() -> None:
             speed=float(speed),
         )
         st.session_state["whatif_job"] = new.start(argv, CONFIG.usage_db)
+        st.session_state["whatif_window"] = None if trace else (str(start), str(end))
     what_if_result()
 
 
@@ -472,13 +487,24 @@ def what_if_result() -> None:
         return
     state, value = job.poll()
     if state == "running":
-        st.info(f"Replaying... {value}")
+        fraction, text = whatif.progress(value, time.monotonic() - job.started)
+        st.progress(fraction or 0.0, text=text)
         return
     if state == "failed":
         st.error(value)
         return
+    st.subheader(whatif.proposal(value))
+    if note := whatif.dropped(value):
+        st.warning(note)
     frame = whatif.tier_frame(value)
     st.caption(whatif.settings_line(value))
+    c1, c2 = st.columns(2)
+    c1.download_button(
+        "Report (HTML)", job.html_path.read_bytes(), "kvlease-what-if.html", "text/html"
+    )
+    c2.download_button(
+        "Report (JSON)", job.report_path.read_bytes(), "kvlease-what-if.json", "application/json"
+    )
     st.subheader("Per tier, current -> proposed")
     st.dataframe(whatif.tier_table(value), hide_index=True, key="whatif_tiers_table")
     columns = st.columns(2)
@@ -489,6 +515,16 @@ def what_if_result() -> None:
     c1.dataframe(whatif.movers_frame(value, "ttft_p99_s"), hide_index=True)
     c2.subheader(f"Cost ({value['current']['currency']}) moves most")
     c2.dataframe(whatif.movers_frame(value, "cost"), hide_index=True)
+    window = st.session_state.get("whatif_window")
+    if window and CONFIG.usage_db:
+        st.subheader("The current side against the real bill")
+        try:
+            lo, hi = parse_window(*window)
+            billed = usage.billed(load_finance(CONFIG.usage_db, lo, hi))
+        except (ValueError, data.SourceError) as err:
+            st.error(str(err))
+            return
+        st.dataframe(whatif.reconciliation(value, billed), hide_index=True, key="whatif_bill")
 
 
 def _next_month(first: date) -> date:

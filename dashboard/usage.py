@@ -95,6 +95,31 @@ def _readable(action):
 
 
 PRESETS = ("This month", "Last month", "Last 30 days", "Custom")
+LAST_WEEK = "Last 7 days with records"
+
+
+def last_week_with_records(url: str, today: date) -> tuple[date, date]:
+    """The 7 UTC days ending with the newest record's day (the 7 days ending today for an
+    empty ledger): a what-if needs traffic, and the last week may have none."""
+
+    def read() -> tuple[date, date]:
+        newest = _ledger(url).last_ended()
+        last = datetime.fromtimestamp(newest, UTC).date() if newest else today
+        return last - timedelta(days=6), last + timedelta(days=1)
+
+    return _readable(read)
+
+
+def billed(finance: Finance) -> dict[str, Any]:
+    """The window's bill as the What if page reconciles a replay with it."""
+    t = finance.tenants
+    return {
+        "requests": int(t["requests"].sum()),
+        "block_hours": sum(t["block_hours"], Decimal(0)),
+        "retention_hours": sum(t["reserved_hours"], Decimal(0))
+        + sum(t["retained_hours"], Decimal(0)),
+        "cost": sum(t["cost"], Decimal(0)),
+    }
 
 
 def preset_window(name: str, today: date) -> tuple[date, date]:

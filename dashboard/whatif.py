@@ -9,22 +9,30 @@ Whoever can open the page can name files for the replay to read, so the page rea
 only regular files under `KVLEASE_WHATIF_DIR`, of at most `MAX_INPUT_BYTES`
 (`allowed_file`), and answers the same for a file that is missing as for one outside
 that folder. The child is bounded: `CHILD_CPU_SECONDS` of CPU (the kernel ends it past
-that) and `CHILD_MAX_RSS_BYTES` of memory (checked on every poll). A job's folder is
-removed when the job is stopped, replaced, or the dashboard exits.
+that) and `CHILD_MAX_RSS_BYTES` of memory (checked on every poll). A job is stopped
+(its child ended, its folder removed) when it is replaced, when its browser session
+has not polled it for `ORPHAN_SECONDS` (the session closed: `reap`), and when the
+dashboard exits; a folder a killed dashboard left (its owner process gone) is removed,
+and its child ended, when the next dashboard starts (`sweep_stale`). Folders live in
+the system's temporary directory as `kvlease-whatif-*`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import re
 import resource
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
-import weakref
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,10 @@ from dashboard.data import WHATIF_DIR_ENV
 from exporters.ledger import DB_ENV
 
 MAX_INPUT_BYTES = 256 * 2**20
+ORPHAN_SECONDS = 30.0  # a job its page has not polled for this long is stopped
+FOLDER_PREFIX = "kvlease-whatif-"
+OWNER_FILE = "owner.pid"  # the dashboard process that made the folder
+CHILD_FILE = "child.pid"
 CHILD_CPU_SECONDS = 3600
 CHILD_MAX_RSS_BYTES = 6 * 2**30
 SIDES = ("current", "proposed")
@@ -89,19 +101,37 @@ def allowed_file(name: str, folder: str | None) -> str:
     return str(path)
 
 
-_JOBS: weakref.WeakSet[ReplayJob] = weakref.WeakSet()
+# Every job not yet stopped, held strongly: a job whose session state was dropped (the
+# browser went away) must still be found to be stopped.
+_JOBS: set[ReplayJob] = set()
+_JOBS_LOCK = threading.Lock()
+
+
+def _new_folder() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
+    return folder
 
 
 @dataclass(eq=False)
 class ReplayJob:
-    """One background `kvlease replay` and its folder. `poll()` never blocks."""
+    """One background `kvlease replay` and its folder. `poll()` never blocks and marks the
+    job as watched; `reap()` stops the ones nobody watches."""
 
-    folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvlease-whatif-")))
+    folder: Path = field(default_factory=_new_folder)
     process: subprocess.Popen | None = None
     report: dict[str, Any] | None = None  # read once, when the child has ended
+    started: float = field(default_factory=time.monotonic)
+    polled: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        _JOBS.add(self)
+        with _JOBS_LOCK:
+            _JOBS.add(self)
+        _start_reaper()
+
+    @property
+    def html_path(self) -> Path:
+        return self.folder / "report.html"
 
     @property
     def report_path(self) -> Path:
@@ -121,16 +151,23 @@ class ReplayJob:
         """The ledger's URL goes in the child's environment, never on its command line. The
         child's progress bar and table go to the job's log."""
         command = [sys.executable, "-m", "server.cli", "replay", *argv]
-        command += ["--json", str(self.report_path)]
+        command += ["--json", str(self.report_path), "-o", str(self.html_path)]
         env = {**os.environ, **({DB_ENV: usage_db} if usage_db else {})}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_bound_child
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_bound_child,
+                start_new_session=True,  # its own group: stop() ends its workers too
             )
+        (self.folder / CHILD_FILE).write_text(str(self.process.pid))
         return self
 
     def poll(self) -> tuple[str, Any]:
         """("running", the progress line), ("done", the report) or ("failed", the error)."""
+        self.polled = time.monotonic()
         code = self.process.poll() if self.process else None
         if code is None:
             if _rss(self.process.pid) > CHILD_MAX_RSS_BYTES:
@@ -145,15 +182,17 @@ class ReplayJob:
         return "failed", self._last_line() or f"kvlease replay exited with status {code}"
 
     def stop(self) -> None:
-        """End the child (if running) and remove the job's folder."""
+        """End the child and its workers (if running) and remove the job's folder."""
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            _signal_group(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                _signal_group(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+        with _JOBS_LOCK:
+            _JOBS.discard(self)
 
     def _last_line(self) -> str:
         """The log's last non-empty line, or of a progress bar its last redraw."""
@@ -180,11 +219,89 @@ def _rss(pid: int) -> int:
     return 0
 
 
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
 @atexit.register
 def stop_all() -> None:
     """Every job this process started: children ended, folders removed."""
-    for job in list(_JOBS):
+    with _JOBS_LOCK:
+        jobs = list(_JOBS)
+    for job in jobs:
         job.stop()
+
+
+def reap(now: float | None = None) -> int:
+    """Stop the jobs no page has polled for ORPHAN_SECONDS (their browser session has
+    closed: the page polls every 2 s while it is open); how many were stopped."""
+    now = time.monotonic() if now is None else now
+    with _JOBS_LOCK:
+        orphans = [j for j in _JOBS if now - j.polled > ORPHAN_SECONDS]
+    for job in orphans:
+        job.stop()
+    return len(orphans)
+
+
+_reaper: threading.Thread | None = None
+
+
+def _start_reaper() -> None:
+    global _reaper
+    with _JOBS_LOCK:
+        if _reaper is not None:
+            return
+
+        def loop() -> None:
+            while True:
+                time.sleep(ORPHAN_SECONDS / 3)
+                reap()
+
+        _reaper = threading.Thread(target=loop, name="kvlease-whatif-reaper", daemon=True)
+        _reaper.start()
+
+
+def sweep_stale(root: str | None = None) -> int:
+    """Remove the `kvlease-whatif-*` folders whose dashboard process is gone (killed, so
+    no exit handler ran), ending their replay child first; how many were removed."""
+    removed = 0
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
+        owner = _pid(folder / OWNER_FILE)
+        if owner is not None and _alive(owner):
+            continue
+        child = _pid(folder / CHILD_FILE)
+        if child is not None and _alive(child) and _is_replay(child):
+            _signal_group(child, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_replay(pid: int) -> bool:
+    """The pid is still a `kvlease replay` (not a process that reused the number)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"replay" in cmdline and b"server.cli" in cmdline
 
 
 def replay_argv(
@@ -282,3 +399,89 @@ def shown(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def proposal(report: dict[str, Any]) -> str:
+    """The proposed change, in one sentence: the headline of the page and the report."""
+    s = report["settings"]
+    cur, new = s["current"], s["proposed"]
+    changes = []
+    if new["tiers"] != cur["tiers"]:
+        changes.append(f"tier table {new['tiers']} instead of {cur['tiers']}")
+    moved = s.get("assigned") or {}
+    if moved:
+        listed = ", ".join(f"{t} to {tier}" for t, tier in sorted(moved.items())[:5])
+        more = f" and {len(moved) - 5} more" if len(moved) > 5 else ""
+        changes.append(f"{len(moved)} tenant{'s' * (len(moved) > 1)} moved ({listed}{more})")
+    if new["pool_blocks"] != cur["pool_blocks"]:
+        changes.append(f"a pool of {new['pool_blocks']:,} blocks instead of {cur['pool_blocks']:,}")
+    if not changes:
+        return "Proposed: no change (the same tier table, tenants and pool on both sides)."
+    return "Proposed: " + "; ".join(changes) + "."
+
+
+def dropped(report: dict[str, Any]) -> str | None:
+    """Why some recorded turns were not replayed, when some were not."""
+    n = {side: report[side].get("dropped_turns", 0) for side in SIDES}
+    if not any(n.values()):
+        return None
+    counts = pair(n["current"], n["proposed"])
+    return (
+        f"{counts} recorded turns were not replayed: their session's conversation would pass "
+        "the engine's max_model_len, so vLLM would have refused them (the rest of such a "
+        "session is dropped too, as its client would have started a new chat)."
+    )
+
+
+def reconciliation(report: dict[str, Any], billed: dict[str, Any]) -> pd.DataFrame:
+    """The replay's current side against the ledger's bill for the same window: figure,
+    ledger, replayed, difference, and why they may differ. `billed`: the ledger's
+    requests, block_hours, retention_hours and cost (Decimal) for the window."""
+    cur = report["current"]
+    tiers = cur["tiers"].values()
+    replayed = {
+        "requests": cur["requests"],
+        "block_hours": sum(t.get("kv_block_hours") or 0 for t in tiers),
+        "retention_hours": sum(t.get("kv_retention_hours") or 0 for t in tiers),
+        "cost": cur["cost"],
+    }
+    why = {
+        "requests": f"{cur.get('dropped_turns', 0):,} turns dropped (context), and records "
+        "without a tier left out",
+        "block_hours": "re-timed on the calibrated clock: how long blocks are held follows "
+        "the replayed schedule, not the recorded one",
+        "retention_hours": "leases and reservations follow the replayed schedule",
+        "cost": "tokens are priced the same; KV time and retention are re-timed, and dropped "
+        "turns are not billed",
+    }
+    rows = []
+    for key, title in (
+        ("requests", "requests"),
+        ("block_hours", "KV block-hours"),
+        ("retention_hours", "KV retention block-hours"),
+        ("cost", f"cost ({cur['currency']})"),
+    ):
+        ledger, again = float(billed[key]), float(replayed[key])
+        rows.append(
+            {
+                "figure": title,
+                "ledger": ledger,
+                "replayed (current)": again,
+                "difference": again - ledger,
+                "why they differ": why[key] if round(again - ledger, 6) else "",
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+_PROGRESS = re.compile(r"(\d+)/(\d+)")
+
+
+def progress(line: str, elapsed: float) -> tuple[float | None, str]:
+    """The progress bar's fraction (None before the replay counts any request) and a
+    sentence that moves: the child first loads the replay engine, then counts requests."""
+    match = _PROGRESS.search(line or "")
+    if match and int(match[2]):
+        done, total = int(match[1]), int(match[2])
+        return done / total, f"{done:,} of {total:,} requests replayed, {elapsed:,.0f} s"
+    return None, f"starting the replay engine (vLLM's scheduler, both sides), {elapsed:,.0f} s"

@@ -453,6 +453,11 @@ class UsageLedger:
     def _horizon(conn) -> int:
         return conn.execute(text("SELECT max(pruned_before) FROM usage_retention")).scalar() or 0
 
+    def last_ended(self) -> float | None:
+        """When the newest record ended (epoch seconds), None for an empty ledger."""
+        with self.engine.connect() as conn:
+            return conn.execute(text("SELECT max(ended_at) FROM usage_records")).scalar()
+
     def count(self, requests_only: bool = False) -> int:
         """Records in the ledger; `requests_only`: leave out the KV retention records."""
         where = f" WHERE outcome <> '{RETENTION}'" if requests_only else ""

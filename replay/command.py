@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ class Plan:
     model: str  # the engine's config and tokenizer ("": the demo model)
     limits: dict[str, int]  # vLLM's max_num_seqs and max_num_batched_tokens
     notes: list[str]
+    assigned: dict[str, str] = field(default_factory=dict)  # tenant -> its proposed tier
+    window: tuple[float, float] | None = None  # the ledger's window replayed (None: a trace)
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -56,6 +58,7 @@ def plan(args: argparse.Namespace) -> Plan:
     from replay import pool, traffic
 
     notes: list[str] = []
+    window = None
     if args.trace:
         turns = traffic.from_trace(Path(args.trace))
     else:
@@ -73,9 +76,10 @@ def plan(args: argparse.Namespace) -> Plan:
     current = _tiers(current_path, "--against")
     proposed_path = args.tiers or current_path
     proposed = _tiers(proposed_path, "--tiers")
-    moved = turns
+    moved, assigned = turns, {}
     if args.assign:
-        moved = traffic.assign(turns, traffic.load_assignment(Path(args.assign), proposed))
+        assigned = traffic.load_assignment(Path(args.assign), proposed)
+        moved = traffic.assign(turns, assigned)
     traffic.check_tiers(turns, current, "current")
     traffic.check_tiers(moved, proposed, "proposed")
     blocks = args.pool_blocks
@@ -103,7 +107,7 @@ def plan(args: argparse.Namespace) -> Plan:
     for flag, n in limits.items():
         if n < 1:
             raise ReplayInputError(f"--{flag.replace('_', '-')} must be at least 1, got {n}")
-    return Plan(sides, cost, args.model or "", limits, notes)
+    return Plan(sides, cost, args.model or "", limits, notes, assigned, window)
 
 
 def _tiers(path: str | None, flag: str) -> TierTable:
@@ -145,7 +149,8 @@ def run(plan: Plan, jobs: int = 2, progress: Callable[[int], None] | None = None
             side.name: {"tiers": side.tiers_path or "in force", "pool_blocks": side.pool_blocks}
             for side in plan.sides
         }
-        | {"step_cost": vars(plan.cost), **plan.limits, "notes": plan.notes},
+        | {"step_cost": vars(plan.cost), **plan.limits, "notes": plan.notes}
+        | {"assigned": plan.assigned, "window": list(plan.window) if plan.window else None},
     }
 
 

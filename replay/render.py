@@ -51,6 +51,8 @@ def terminal(report: dict[str, Any]) -> Any:
             whatif.pair(*b["cost"]) if b else "",
         )
     return Group(
+        whatif.proposal(report),
+        *([note] if (note := whatif.dropped(report)) else []),
         table("Per tier", tiers, "tier"),
         table("Top tenants", tenants, "tenant"),
         movers,
@@ -79,6 +81,9 @@ def page(report: dict[str, Any]) -> str:
         "<!doctype html><html><head><meta charset='utf-8'><title>kvlease what-if replay</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{padding:2px 8px;text-align:right}</style></head><body>"
-        f"<h1>What if: current against proposed</h1><p>{settings}</p>{body}"
+        f"<h1>What if: current against proposed</h1>"
+        f"<p><b>{html.escape(whatif.proposal(report))}</b></p><p>{settings}</p>"
+        + (f"<p>{html.escape(note)}</p>" if (note := whatif.dropped(report)) else "")
+        + f"{body}"
         f"{''.join(parts)}</body></html>"
     )

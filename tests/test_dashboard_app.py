@@ -180,6 +180,7 @@ def test_what_if_page_replays_a_trace_in_the_background_and_shows_both_sides(pag
     app = page("whatif", **{data.WHATIF_DIR_ENV: str(tmp_path)})
     assert not app.exception
     assert app.radio(key="whatif_source").value == "trace"  # no ledger configured
+    assert app.radio(key="whatif_preset").value == "Last 7 days with records"
     app.text_input(key="whatif_trace").set_value("trace.csv")
     app.text_area(key="whatif_assign").set_value(f'[tenants]\n"{moved}" = "premium"\n')
     app.number_input(key="whatif_pool").set_value(32)
@@ -189,11 +190,16 @@ def test_what_if_page_replays_a_trace_in_the_background_and_shows_both_sides(pag
     assert job.process.wait(timeout=600) == 0, job.log_path.read_text()
     app.run()
     assert not app.exception
+    headline = f"Proposed: 1 tenant moved ({moved} to premium); a pool of 32 blocks instead of 64."
+    assert app.subheader[0].value == headline  # the change, named first
     tiers = app.dataframe[0].value
     assert set(tiers["tier"]) <= {"premium", "standard", "free"} and len(tiers) >= 2
     premium = tiers.set_index("tier").loc["premium", "requests"]
     assert "->" in premium  # the moved tenant's requests joined premium in the proposed table
     assert len(app.get("plotly_chart")) == 6
+    labels = [b.proto.label for b in app.get("download_button")]
+    assert labels == ["Report (HTML)", "Report (JSON)"]
+    assert headline in job.html_path.read_text()
     folder = job.folder
     job.stop()
     assert not folder.exists()
