@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) -m bench.soak $(BENCH_ARGS)
 	$(PY) -m bench.ledger $(BENCH_ARGS)
 	$(PY) -m bench.calibrate $(BENCH_ARGS)
+	$(PY) -m bench.dashboard $(BENCH_ARGS)
 	$(PY) -m bench.replay $(BENCH_ARGS)
 	$(PY) -m bench.ablations $(BENCH_ARGS)
 

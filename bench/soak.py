@@ -78,12 +78,12 @@ async def client(
                 history, context = [], 0
             context += turn.input_tokens + turn.output_tokens
             history.append({"role": "user", "content": prompt(turn)})
-            reply = await ask(api, MODEL, history, turn, stats)
-            if reply is None:
+            answer = await ask(api, MODEL, history, turn, stats)
+            if answer is None:
                 history, context = [], 0
                 await asyncio.sleep(1)
                 continue
-            history.append({"role": "assistant", "content": reply})
+            history.append({"role": "assistant", "content": answer[0]})
     finally:
         await api.close()
 

@@ -155,13 +155,24 @@ EVENTS_LISTED = 200
 
 @st.fragment(run_every=CONFIG.refresh_seconds)
 def live_panel(source: str, url: str, token: str | None, minutes: int, top: int, search: str):
+    # The page never blanks on one failed refresh: the last good picture stays, marked
+    # stale, until the source answers again (a first failure has nothing to keep).
+    key = f"last_live:{source}:{url}:{minutes}"
     try:
         live = load_live(source, url, token, minutes)
+        st.session_state[key] = (live, datetime.now(UTC))
+        stale = None
     except data.SourceError as err:
-        st.error(str(err))
-        return
+        if key not in st.session_state:
+            st.error(str(err))
+            return
+        live, at = st.session_state[key]
+        stale = f"{err} Showing the figures of {at:%H:%M:%S} UTC until it answers again."
     health_strip(live, minutes)
-    st.caption(f"Updated {datetime.now(UTC):%H:%M:%S} UTC, every {CONFIG.refresh_seconds:g} s")
+    if stale:
+        st.warning(stale)
+    else:
+        st.caption(f"Updated {datetime.now(UTC):%H:%M:%S} UTC, every {CONFIG.refresh_seconds:g} s")
     if live.empty:
         st.info("No tenant holds KV blocks yet: the engine has not served a tenant request.")
 

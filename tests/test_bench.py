@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).parent.parent
-NO_PLOT = {"ledger", "calibrate", "replay", "ablations"}  # tables of figures, no picture
+NO_PLOT = {"ledger", "calibrate", "replay", "ablations", "dashboard"}  # tables, no picture
 
 
 def _bench(name: str, out: Path, home: Path) -> dict:
@@ -161,3 +161,10 @@ def test_replay_benchmark_matches_the_real_engine_and_replays_both_sides(out, kv
     assert errors and max(errors) <= 0.10
     speed = result["speed"]
     assert speed["requests"] > 500 and speed["wall_seconds"] > 0
+
+
+def test_dashboard_benchmark_times_the_live_pages_headline_and_charts(out, kvlease_home):
+    result = _bench("dashboard", out, kvlease_home)
+    for state in ("quiet", "loaded"):
+        assert 0 < result[state]["headline_s"] <= result[state]["charts_s"]
+        assert len(result["rounds"][state]) == 1

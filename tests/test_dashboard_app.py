@@ -45,6 +45,34 @@ def test_live_page_says_so_when_the_engine_is_down(page):
     assert "is not reachable" in app.error[0].value
 
 
+def test_a_failed_refresh_keeps_the_last_picture_marked_stale(page):
+    """The pool bar once vanished on a 2-second refresh: one failed fetch blanked the page."""
+    import time
+    from datetime import UTC, datetime
+
+    url = _dead_url()
+    app = page(**{data.ENGINE_ENV: url, data.TOKEN_ENV: "a.b.c"})
+    assert "is not reachable" in app.error[0].value  # nothing to keep yet
+    state = {
+        "pool_blocks": 63,
+        "free_blocks": 20,
+        "running": 2,
+        "waiting": 1,
+        "tenants": {"acme": {"running": 3, "cached_leased": 2, "cached": 1}},
+        "tenant_tiers": {"acme": "premium"},
+        "lease_summary": {},
+    }
+    live = data.live_from_engine(state, {"samples": [], "events": []}, time.time())
+    app.session_state[f"last_live:engine:{url}:5"] = (
+        live,
+        datetime(2026, 12, 1, 9, 30, tzinfo=UTC),
+    )
+    app.run()
+    assert not app.exception and not app.error
+    assert "Showing the figures of 09:30:00 UTC" in app.warning[0].value
+    assert list(app.dataframe[0].value["Tenant"]) == ["acme"]  # the tenants are still there
+
+
 def test_live_page_asks_for_a_token_before_calling_the_engine(page):
     app = page(**{data.ENGINE_ENV: _dead_url()})
     assert not app.exception

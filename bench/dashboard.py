@@ -1,0 +1,180 @@
+"""How fast the live page shows what matters, in a real headless Chromium.
+
+    python -m bench.dashboard              # 3 page loads per machine state
+    python -m bench.dashboard --repeats 5
+    python -m bench.dashboard --quick      # 1 load each (smoke test)
+
+A real `kvlease serve` (the demo model, a 64-block pool) under twelve chat clients,
+and a real `kvlease dashboard` reading its admin API. Each page load opens the live
+page in a fresh Chromium tab and times, from the navigation: the health strip's
+headline (what an SRE reads first) and every chart drawn. Once on a quiet machine (the
+server and its clients only), once loaded (two more processes spinning a core each).
+Medians of `--repeats` loads. Results: bench/results/dashboard.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from statistics import median
+
+import httpx
+
+from bench import report
+from bench.postgres import free_port
+from bench.soak import client
+from demo.client import LoadStats
+from demo.run import Demo, resolve_model, server_environment, session_token, start_server
+from demo.workload import WorkloadSpec, tenant_names
+from engine.auth import KeyRing
+from engine.tenancy import TierTable
+
+RESULTS = Path(__file__).parent / "results"
+CLIENTS = 12
+CHARTS = 5  # pool bar, blocks per tenant, event timeline, lease hit, fair share
+HEADLINE = "Alerts from"  # the health strip's source line, under its headline
+PATIENCE_MS = 300_000  # a hang, not a slow page
+
+
+def _load(stop: threading.Event, base_url: str, tokens) -> None:
+    async def main() -> None:
+        done = asyncio.Event()
+        stats = LoadStats()
+        tasks = [
+            asyncio.create_task(client(base_url, tok, tenant, tier, stats, done))
+            for tenant, tier, tok in tokens
+        ]
+        while not stop.is_set():
+            await asyncio.sleep(0.5)
+        done.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def _open_page(browser, url: str) -> dict[str, float]:
+    """Seconds from navigation to the headline and to every chart drawn."""
+    page = browser.new_page(viewport={"width": 1440, "height": 2400})
+    started = time.monotonic()
+    page.goto(f"{url}/?page=live", wait_until="commit")
+    page.get_by_text(HEADLINE).first.wait_for(timeout=PATIENCE_MS)
+    headline = time.monotonic() - started
+    drawn = f"""() => Array.from(document.querySelectorAll('.js-plotly-plot'))
+        .filter(el => el.querySelector('.main-svg')).length >= {CHARTS}"""
+    page.wait_for_function(drawn, timeout=PATIENCE_MS)
+    charts = time.monotonic() - started
+    page.close()
+    return {"headline_s": headline, "charts_s": charts}
+
+
+def _burners(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one page load each")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    repeats = 1 if args.quick else args.repeats
+    from playwright.sync_api import sync_playwright
+
+    tiers = TierTable.load()
+    secret = secrets.token_urlsafe(48)
+    keyring = KeyRing.from_secret(secret)
+    demo = Demo(Path(tempfile.mkdtemp(prefix="kvlease-bench-dashboard-")), free_port())
+    env = server_environment(secret)
+    tokens = [
+        (tenant, tier, session_token(keyring, tiers, tenant, tier, session=tenant))
+        for tenant, tier in tenant_names(WorkloadSpec.for_tenants(CLIENTS))
+    ]
+    admin = session_token(keyring, tiers, "bench-admin", "premium", roles=("admin",))
+    stop = threading.Event()
+    dashboard = None
+    rounds: dict[str, list[dict[str, float]]] = {"quiet": [], "loaded": []}
+    try:
+        if not start_server(demo, resolve_model(None), TierTable.shipped(), None, env):
+            return 1
+        load = threading.Thread(target=_load, args=(stop, f"{demo.url}/v1", tokens))
+        load.start()
+        port = free_port()
+        dashboard = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "dashboard", "--engine", demo.url,
+             "--port", str(port)],
+            env={**os.environ, "KVLEASE_DASHBOARD_TOKEN": admin},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/_stcore/health", timeout=2).text == "ok":
+                    break
+            time.sleep(0.5)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+                args=["--no-sandbox", "--disable-gpu"],
+            )
+            _open_page(browser, url)  # warm-up: Streamlit's first script run
+            for state in ("quiet", "loaded"):
+                burners = _burners(2) if state == "loaded" else []
+                try:
+                    for _ in range(repeats):
+                        rounds[state].append(_open_page(browser, url))
+                        print(f"  {state}: {rounds[state][-1]}", flush=True)
+                finally:
+                    for b in burners:
+                        b.kill()
+                        b.wait()
+            browser.close()
+    finally:
+        stop.set()
+        if dashboard is not None:
+            dashboard.send_signal(signal.SIGTERM)
+            dashboard.wait(30)
+        demo.stop_all()
+    result = {
+        "machine": report.machine(),
+        "repeats": repeats,
+        "clients": CLIENTS,
+        **{
+            state: {k: median(r[k] for r in runs) for k in ("headline_s", "charts_s")}
+            for state, runs in rounds.items()
+        },
+        "rounds": rounds,
+    }
+    lines = [
+        "# The live page's first render (real Chromium, real server under load)",
+        "",
+        f"{CLIENTS} chat clients on a 64-block pool; medians of {repeats} page loads, each "
+        "in a fresh tab; loaded = two more processes spinning a core each.",
+        "",
+        "| machine | health headline, s | all charts drawn, s |",
+        "| --- | --- | --- |",
+        *(
+            f"| {state} | {result[state]['headline_s']:.1f} | {result[state]['charts_s']:.1f} |"
+            for state in rounds
+        ),
+    ]
+    name = "dashboard-quick" if args.quick else "dashboard"
+    report.write(args.out, name, result, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
