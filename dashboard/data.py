@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pandas as pd
 
+from engine.events import NO_CAUSE
 from exporters import metrics as m
 from exporters.ledger import DB_ENV
 from exporters.metrics import BLOCK_STATES as STATES
@@ -53,7 +54,7 @@ TENANT_COLUMNS = [
     "reserved_5m",  # KV retention block-seconds (leased blocks between turns), last 5 min
     "retained_5m",
 ]
-EVENT_COLUMNS = ["t", "kind", "tier", "tenant_id", "reason", "n"]
+EVENT_COLUMNS = ["t", "kind", "tier", "tenant_id", "reason", "n", "by_tier", "by_tenant"]
 EVENT_KINDS = ("alert", "preemption", "eviction", "lease")  # the timeline's rows, top down
 LEASE_COLUMNS = ["t", "tier", "reused", "lost"]  # prefix tokens of leased next turns, per interval
 FAIR_COLUMNS = ["t", "tenant_id", "tier", "served", "entitled"]  # weighted tokens, per interval
@@ -190,7 +191,16 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         for i, s in enumerate(STATES)
     ]
     events = [
-        (e["t"], e["kind"], e["tier"] or "unclassified", e["tenant_id"], e["reason"], _event_n(e))
+        (
+            e["t"],
+            e["kind"],
+            e["tier"] or "unclassified",
+            e["tenant_id"],
+            e["reason"],
+            _event_n(e),
+            e.get("by_tier"),
+            e.get("by_tenant"),
+        )
         for e in history.get("events", [])
     ]
     reuse = []  # increments between consecutive samples of the cumulative totals
@@ -321,8 +331,9 @@ QUERIES = {
 # {step} is filled in per query: the increase over one step of the range.
 RANGE_QUERIES = {
     "occupancy": f"sum by (tenant_id, state) ({m.KV_BLOCKS.name})",
-    "preemptions": f"sum by (tenant_id, tier, reason) (increase({m.PREEMPTIONS.name}[{{step}}s]))",
-    "evictions": f"sum by (tenant_id, tier, leased) "
+    "preemptions": f"sum by (tenant_id, tier, reason, by_tier) "
+    f"(increase({m.PREEMPTIONS.name}[{{step}}s]))",
+    "evictions": f"sum by (tenant_id, tier, leased, by_tier) "
     f"(increase({m.CACHED_EVICTIONS.name}[{{step}}s]))",
     # the bundled rules' alerts while firing (Prometheus's own ALERTS series)
     "alerts": 'max by (alertname, alertstate, tier, tenant_id) (ALERTS{{alertname=~"Kvlease.*"}})',
@@ -422,7 +433,8 @@ def live_from_prometheus(
         return s["metric"].get("tier", ""), s["metric"].get("tenant_id", "")
 
     events = [
-        (float(ts), "preemption", *labels(s), s["metric"].get("reason", ""), v)
+        (float(ts), "preemption", *labels(s), s["metric"].get("reason", ""), v,
+         s["metric"].get("by_tier"), None)
         for s in ranged.get("preemptions", [])
         for ts, v in s["values"]
     ] + [
@@ -432,11 +444,13 @@ def live_from_prometheus(
             *labels(s),
             "leased_cache_eviction" if s["metric"].get("leased") == "true" else "cache_eviction",
             v,
+            s["metric"].get("by_tier"),
+            None,  # Prometheus keeps the causing tier, not the tenant (cardinality)
         )
         for s in ranged.get("evictions", [])
         for ts, v in s["values"]
-    ]
-    events = [(*e[:5], float(e[5])) for e in events if float(e[5]) > 0] + _alert_starts(
+    ]  # fmt: skip
+    events = [(*e[:5], float(e[5]), *e[6:]) for e in events if float(e[5]) > 0] + _alert_starts(
         ranged.get("alerts", [])
     )
     reuse: dict[tuple[float, str], list[float]] = {}
@@ -492,7 +506,7 @@ def _alert_starts(series: list[dict[str, Any]]) -> list[tuple]:
                 step = t - last
             if last is None or (step is not None and t - last > step * 1.5):
                 tier, tenant = s["metric"].get("tier", ""), s["metric"].get("tenant_id", "")
-                out.append((t, "alert", tier, tenant, f"{name} {state}", 1.0))
+                out.append((t, "alert", tier, tenant, f"{name} {state}", 1.0, None, None))
             last = t
     return out
 
@@ -561,6 +575,27 @@ def tenant_display(tenants: pd.DataFrame) -> pd.DataFrame:
         ],
     )
     return out[list(TENANT_HEADERS)].rename(columns=TENANT_HEADERS)
+
+
+def who_took_whose(events: pd.DataFrame, by: str = "tier") -> pd.DataFrame:
+    """Who lost KV cache to whom in the window: a row per (victim, cause), the victim the
+    tier (or tenant) that lost it, the cause the tier (or tenant) whose allocation took
+    it; `preempted` requests and `evicted` cached blocks. Largest first."""
+    columns = ["victim", "cause", "preempted", "evicted"]
+    taken = events[events["kind"].isin(["preemption", "eviction"])]
+    if taken.empty:
+        return pd.DataFrame(columns=columns)
+    victim = "tier" if by == "tier" else "tenant_id"
+    cause = "by_tier" if by == "tier" else "by_tenant"
+    frame = taken.assign(
+        victim=taken[victim].fillna("-"),
+        cause=taken[cause].fillna("-").replace({NO_CAUSE: "- (cache reset)"}),
+        preempted=(taken["kind"] == "preemption") * taken["n"],
+        evicted=(taken["kind"] == "eviction") * taken["n"],
+    )
+    out = frame.groupby(["victim", "cause"], as_index=False)[["preempted", "evicted"]].sum()
+    out = out.sort_values(["evicted", "preempted", "victim"], ascending=[False, False, True])
+    return out[columns].reset_index(drop=True)
 
 
 def filter_events(events: pd.DataFrame, kinds=(), tiers=(), tenant: str = "") -> pd.DataFrame:

@@ -49,10 +49,11 @@ class TenantAccounting:
 
     block_seconds: Counter[Tenant] = field(default_factory=Counter)
     request_block_seconds: dict[str, float] = field(default_factory=dict)
-    preemptions: Counter[tuple[Tenant, str | None, str, str]] = field(default_factory=Counter)
+    # (tenant, tier, reason, mode, by_tier): by_tier is the tier whose allocation caused it
+    preemptions: Counter[tuple[Tenant, str | None, str, str, str]] = field(default_factory=Counter)
     preempted_blocks: Counter[tuple[Tenant, str | None, str]] = field(default_factory=Counter)
     recomputed_tokens: Counter[Tenant] = field(default_factory=Counter)
-    evicted_blocks: Counter[tuple[Tenant, str | None, bool]] = field(default_factory=Counter)
+    evicted_blocks: Counter[tuple[Tenant, str | None, bool, str]] = field(default_factory=Counter)
     offloaded_blocks: Counter[Tenant] = field(default_factory=Counter)  # gauge: off-device now
     # (tier, "reused" or "lost") -> prefix tokens a lease covered at a session's next turn
     lease_reuse_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -92,14 +93,23 @@ class TenantAccounting:
         return self.request_block_seconds.pop(request_id, 0.0)
 
     def count_preemption(
-        self, tenant: Tenant, tier: str | None, reason: str, mode: str, blocks: int, tokens: int
+        self,
+        tenant: Tenant,
+        tier: str | None,
+        reason: str,
+        mode: str,
+        blocks: int,
+        tokens: int,
+        by_tier: str,
     ) -> None:
-        self.preemptions[(tenant, tier, reason, mode)] += 1
+        self.preemptions[(tenant, tier, reason, mode, by_tier)] += 1
         self.preempted_blocks[(tenant, tier, reason)] += blocks
         self.recomputed_tokens[tenant] += tokens
 
-    def count_eviction(self, tenant: Tenant, tier: str | None, leased: bool, blocks: int) -> None:
-        self.evicted_blocks[(tenant, tier, leased)] += blocks
+    def count_eviction(
+        self, tenant: Tenant, tier: str | None, leased: bool, blocks: int, by_tier: str
+    ) -> None:
+        self.evicted_blocks[(tenant, tier, leased, by_tier)] += blocks
 
     def count_lease_reuse(self, tier: str, covered: int, cached: int) -> None:
         """A leased session's next turn: of the `covered` prefix tokens its lease was to keep,

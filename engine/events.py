@@ -18,6 +18,9 @@ from collections import deque
 
 import msgspec
 
+# A preemption or eviction no allocation caused (a prefix-cache reset), as `by_tier`.
+NO_CAUSE = "none"
+
 
 class Preemption(msgspec.Struct, frozen=True, tag=True):
     at: float  # the machine's monotonic clock, shared by every process
@@ -30,16 +33,21 @@ class Preemption(msgspec.Struct, frozen=True, tag=True):
     blocks: int  # KV blocks the request held
     recomputed_tokens: int  # computed tokens thrown away (to be computed again)
     api_server: int = 0  # the API process that owns the request (vLLM's client index)
+    by_tier: str = NO_CAUSE  # whose allocation caused it: its tier (or "unclassified")
+    by_tenant: str | None = None  # and its tenant
 
 
 class Eviction(msgspec.Struct, frozen=True, tag=True):
-    """Cached prefix blocks of one tenant evicted to make room, within one step."""
+    """Cached prefix blocks of one tenant evicted to make room for one allocation (or,
+    with no cause known, within one step)."""
 
     at: float
     tenant_id: str | None
     tier: str | None
     leased: bool
     blocks: int
+    by_tier: str = NO_CAUSE  # whose allocation evicted them: its tier
+    by_tenant: str | None = None  # and its tenant
 
 
 class LeaseEvent(msgspec.Struct, frozen=True, tag=True):
@@ -69,6 +77,8 @@ class RequestDone(msgspec.Struct, frozen=True, tag=True):
     output_tokens: int = 0
     lease_covered_tokens: int = 0  # prefix tokens its session's running lease was to keep
     api_server: int = 0  # the API process that owns the request (vLLM's client index)
+    # its recomputed tokens by the tier whose allocation preempted it (NO_CAUSE: none known)
+    recomputed_by: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Retention(msgspec.Struct, frozen=True, tag=True):
@@ -122,10 +132,11 @@ class Totals(msgspec.Struct):
     """Cumulative counters since the engine started, keyed by tenant label (and tier,
     reason, mode): what Prometheus counters are built from, exact whatever events drop."""
 
-    preemptions: list[tuple[str, str | None, str, str, int]]  # tenant, tier, reason, mode
+    # tenant, tier, reason, mode, by_tier (the tier whose allocation caused it)
+    preemptions: list[tuple[str, str | None, str, str, str, int]]
     preempted_blocks: list[tuple[str, str | None, str, int]]  # tenant, tier, reason
     recomputed_tokens: list[tuple[str, int]]
-    evicted_blocks: list[tuple[str, str | None, bool, int]]  # tenant, tier, leased
+    evicted_blocks: list[tuple[str, str | None, bool, str, int]]  # tenant, tier, leased, by_tier
     block_seconds: list[tuple[str, float]]
     offloaded_blocks: list[tuple[str, int]]
     lease_reuse_tokens: list[tuple[str, str, int]] = []  # tier, "reused" or "lost"

@@ -61,6 +61,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from engine.accounting import TenantAccounting  # noqa: E402
 from engine.channel import Publisher  # noqa: E402
 from engine.events import (  # noqa: E402
+    NO_CAUSE,
     EngineState,
     EventBuffer,
     Eviction,
@@ -120,6 +121,7 @@ class Tenancy:
     lease_covered: int = 0  # prefix tokens of its session's last context a lease was keeping
     lease_cached: int = -1  # its prefix-cache hit when first scheduled (-1: not yet)
     recomputed_tokens: int = 0
+    recomputed_by: dict[str, int] | None = None  # those tokens by the tier that caused them
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
     account: Account | None = None  # its tenant's fair-share account in its tier
     charged_until: int = 0  # its tokens charged to the account so far (prompt at admission)
@@ -282,6 +284,10 @@ class TenantSchedulingMixin:
         self._free_queue = self._install_free_queue()
         self._allocate = self.kv_cache_manager.allocate_slots  # vLLM's, bound
         self._wrapped_allocate = self._allocate_slots  # one bound method, compared by identity
+        self._noting_allocate = self._allocate_noting_cause
+        # The request whose allocation is under way: what a preemption or an eviction it
+        # causes is attributed to ("who took whose cache"); None outside allocations.
+        self._cause: Request | None = None
         # Blocks one step can take beyond one per running request: its token budget, the
         # watermark and one whole request's prefix-cache hit.
         self._step_blocks = (
@@ -621,12 +627,22 @@ class TenantSchedulingMixin:
         step could run out of blocks no lease holds (so a reservation or a victim choice
         could come into play). Otherwise vLLM allocates exactly as stock, at stock cost."""
         manager = self.kv_cache_manager
-        if manager.allocate_slots not in (self._allocate, self._wrapped_allocate):
+        ours = (self._allocate, self._wrapped_allocate, self._noting_allocate)
+        if manager.allocate_slots not in ours:
             return  # somebody else's wrapper (a test's, a connector's): leave it in place
         tight = self._free_queue.free_unreserved < len(self.running) + self._step_blocks
         manager.allocate_slots = (
-            self._wrapped_allocate if tight or self._kv_caps else self._allocate
+            self._wrapped_allocate if tight or self._kv_caps else self._noting_allocate
         )
+
+    def _allocate_noting_cause(self, request: Request, *args: Any, **kwargs: Any):
+        """vLLM's `allocate_slots`, noting whose allocation evicts: the cheap wrapper of a
+        step that cannot run short (one attribute store and one list check)."""
+        self._cause = request
+        blocks = self._allocate(request, *args, **kwargs)
+        if self._free_queue.evicting:
+            self._report_evictions(request)
+        return blocks
 
     def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots`, with the leases of more important tiers reserved from
@@ -634,6 +650,7 @@ class TenantSchedulingMixin:
         the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
         queue = self._free_queue
         running = request.status is RUNNING
+        self._cause = request
         if self._kv_caps and self._refused_by_kv_cap(request, running, args, kwargs):
             return None
         most = self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
@@ -653,6 +670,8 @@ class TenantSchedulingMixin:
             blocks = self._allocate(request, *args, **kwargs)
         if blocks is None and running and self.policy == SchedulingPolicy.FCFS:
             self._place_victim(request)
+        if queue.evicting:
+            self._report_evictions(request)
         return blocks
 
     def _refused_by_kv_cap(
@@ -772,6 +791,7 @@ class TenantSchedulingMixin:
         victims = [lower[i] for i in chosen]
         now = time.monotonic()
         self._preempt_reason = "admit_higher_tier"
+        self._cause = head
         try:
             for victim in victims:
                 self.running.remove(victim)
@@ -815,27 +835,48 @@ class TenantSchedulingMixin:
             blocks, self.block_size, tokens, self._cost, self._offload_available
         )
         super()._preempt_request(request, timestamp, drop_stale_output=drop_stale_output)
+        by_tier, by_tenant = self._cause_of()
         t.recomputed_tokens += tokens
+        if tokens:
+            t.recomputed_by = t.recomputed_by or {}
+            t.recomputed_by[by_tier] = t.recomputed_by.get(by_tier, 0) + tokens
         if decision.mode == "offload":
             t.offloaded_blocks = blocks
             self.accounting.offloaded_blocks[self._label(t.tenant_id)] += blocks
         self.accounting.count_preemption(
-            self._label(t.tenant_id), t.tier, self._preempt_reason, decision.mode, blocks, tokens
+            self._label(t.tenant_id),
+            t.tier,
+            self._preempt_reason,
+            decision.mode,
+            blocks,
+            tokens,
+            by_tier,
         )
         self.events.push(
             Preemption(
-                self.clock(),
-                request.request_id,
-                t.tenant_id,
-                t.tier,
-                t.session_id,
-                self._preempt_reason,
-                decision.mode,
-                blocks,
-                tokens,
-                request.client_index,
+                at=self.clock(),
+                request_id=request.request_id,
+                tenant_id=t.tenant_id,
+                tier=t.tier,
+                session_id=t.session_id,
+                reason=self._preempt_reason,
+                mode=decision.mode,
+                blocks=blocks,
+                recomputed_tokens=tokens,
+                api_server=request.client_index,
+                by_tier=by_tier,
+                by_tenant=by_tenant,
             )
         )
+
+    def _cause_of(self, request: Request | None = None) -> tuple[str, str | None]:
+        """(tier, tenant) of the allocation a preemption or eviction makes room for:
+        `request`, else the one under way (NO_CAUSE when none is: a cache reset)."""
+        cause = request or self._cause
+        if cause is None:
+            return NO_CAUSE, None
+        t = self._tenancy.get(cause.request_id) or self._tenancy_of(cause)
+        return t.tier or UNCLASSIFIED, t.tenant_id
 
     def _free_request_blocks(self, request: Request) -> None:
         """File the blocks under their session, now or, when vLLM defers the free past an
@@ -917,6 +958,7 @@ class TenantSchedulingMixin:
                 request.num_output_tokens,
                 t.lease_covered,
                 request.client_index,
+                t.recomputed_by or {},
             )
         )
         return result
@@ -932,6 +974,7 @@ class TenantSchedulingMixin:
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         self._preempt_reason = "cache_reset"
+        self._cause = None
         try:
             ok = super().reset_prefix_cache(*args, **kwargs)
         finally:
@@ -1018,15 +1061,28 @@ class TenantSchedulingMixin:
         if not (busy or holder.cached or holder.leased):
             self._holders.pop(session, None)
 
-    def _report_evictions(self) -> None:
+    def _report_evictions(self, cause: Request | None = None) -> None:
+        """Evictions since the last report, attributed to `cause`'s allocation (after an
+        allocation) or to none (at the end of a step: one outside any allocation)."""
         now = self.clock()
+        by_tier, by_tenant = self._cause_of(cause) if cause is not None else (NO_CAUSE, None)
         for holder in self._free_queue.take_evictions():
             for leased, blocks in ((False, holder.pending_cached), (True, holder.pending_leased)):
                 if blocks:
                     self.accounting.count_eviction(
-                        self._label(holder.tenant_id), holder.tier, leased, blocks
+                        self._label(holder.tenant_id), holder.tier, leased, blocks, by_tier
                     )
-                    self.events.push(Eviction(now, holder.tenant_id, holder.tier, leased, blocks))
+                    self.events.push(
+                        Eviction(
+                            at=now,
+                            tenant_id=holder.tenant_id,
+                            tier=holder.tier,
+                            leased=leased,
+                            blocks=blocks,
+                            by_tier=by_tier,
+                            by_tenant=by_tenant,
+                        )
+                    )
             holder.pending_cached = holder.pending_leased = 0
             self._forget_if_idle((holder.tenant_id, holder.session_id), holder)
 

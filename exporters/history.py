@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.accounting import LEASE_OUTCOMES
-from engine.events import EngineState, Eviction, LeaseEvent, Preemption
+from engine.events import NO_CAUSE, EngineState, Eviction, LeaseEvent, Preemption
 from engine.retention import STATES as RETENTION_STATES
 from exporters.ranks import merge_states
 
@@ -52,6 +52,13 @@ def _retention(state: EngineState) -> dict[str, list[float]]:
 def _fair_share(state: EngineState) -> dict[str, list[float]]:
     """ "tenant|tier" -> [served, entitled] weighted tokens while backlogged, since start."""
     return {f"{t}|{tier}": [s, e] for t, tier, s, e in state.totals.fair_share_tokens}
+
+
+def _by(label: Label, event: object) -> str | None:
+    """The causing tenant's label, when the event has a cause."""
+    if getattr(event, "by_tier", None) in (None, NO_CAUSE):
+        return None
+    return label(event.by_tenant)
 
 
 class History:
@@ -120,6 +127,9 @@ class History:
                     "tier": event.tier,
                     "reason": reason,
                     "blocks": blocks,
+                    # whose allocation took the blocks (preemptions, evictions; None else)
+                    "by_tier": getattr(event, "by_tier", None),
+                    "by_tenant": _by(self.label, event),
                     "engine": engine,
                 }
             )

@@ -161,6 +161,15 @@ class FinishedRequest:
         return sum(d.recomputed_tokens for d in self.done)
 
     @property
+    def recomputed_by(self) -> dict[str, int]:
+        """Its recomputed tokens by the tier whose allocation preempted it."""
+        out: dict[str, int] = {}
+        for d in self.done:
+            for tier, n in d.recomputed_by.items():
+                out[tier] = out.get(tier, 0) + n
+        return out
+
+    @property
     def block_seconds(self) -> float:
         return sum(d.block_seconds for d in self.done)
 

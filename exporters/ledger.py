@@ -18,6 +18,7 @@ transaction.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
@@ -72,9 +73,17 @@ class UsageRecord:
     lease_covered_tokens: int = 0  # prefix tokens its session's running lease was to keep
     kv_reserved_block_seconds: float = 0.0  # retention records: blocks kept from lower tiers
     kv_retained_block_seconds: float = 0.0  # retention records: blocks evicted last
+    # its recomputed tokens by the tier whose allocation preempted it, as JSON
+    # (`{"premium": 120}`; "none": a prefix-cache reset); None before schema version 8
+    recomputed_by: str | None = None
 
 
 RETENTION = "retention"  # the outcome of a retention record (every other record: a request)
+
+
+def causes_text(causes: dict[str, int]) -> str | None:
+    """`recomputed_by` as stored: compact JSON, keys sorted; None when nothing was."""
+    return json.dumps(dict(sorted(causes.items())), separators=(",", ":")) if causes else None
 
 
 def retention_key(request_id: str) -> str:
@@ -105,6 +114,7 @@ records = Table(
     Column("lease_covered_tokens", Integer, nullable=False, default=0),
     Column("kv_reserved_block_seconds", Float, nullable=False, default=0.0),
     Column("kv_retained_block_seconds", Float, nullable=False, default=0.0),
+    Column("recomputed_by", Text),
 )
 # Version -> statements, or a function of the dialect's name giving them. Append, never
 # edit: a database at version N runs N+1.. only.
@@ -145,6 +155,8 @@ MIGRATIONS: dict[int, Sequence[str] | Callable[[str], Sequence[str]]] = {
         "ALTER TABLE usage_rollups ADD COLUMN kv_reserved_us BIGINT NOT NULL DEFAULT 0",
         "ALTER TABLE usage_rollups ADD COLUMN kv_retained_us BIGINT NOT NULL DEFAULT 0",
     ),
+    # Who took the cache: a request's recomputed tokens by the tier that preempted it.
+    8: ("ALTER TABLE usage_records ADD COLUMN recomputed_by TEXT",),
 }
 SCHEMA_VERSION = max(MIGRATIONS)
 MIGRATION_LOCK = 0x6B766C65617365  # "kvlease": the advisory lock key migrations take

@@ -93,8 +93,9 @@ PREEMPTIONS = Family(
     "vllm_tenant_preemptions_total",
     "counter",
     "Running requests preempted, by tenant, tier, reason (kv_pressure, admit_higher_tier, "
-    "cache_reset) and mode (recompute, offload).",
-    ("tenant_id", "tier", "reason", "mode"),
+    "cache_reset), mode (recompute, offload) and by_tier: the tier whose allocation (or "
+    "admission) took the blocks (none: a prefix-cache reset).",
+    ("tenant_id", "tier", "reason", "mode", "by_tier"),
 )
 KV_EVICTIONS = Family(
     "vllm_tenant_kv_cache_evictions_total",
@@ -107,9 +108,10 @@ KV_EVICTIONS = Family(
 CACHED_EVICTIONS = Family(
     "vllm_tenant_cached_block_evictions_total",
     "counter",
-    "Cached prefix blocks evicted to make room, by tenant, tier and whether a lease "
-    "protected them.",
-    ("tenant_id", "tier", "leased"),
+    "Cached prefix blocks evicted to make room, by tenant, tier, whether a lease "
+    "protected them, and by_tier: the tier whose allocation took them (who evicted "
+    "whose prefix).",
+    ("tenant_id", "tier", "leased", "by_tier"),
 )
 SWAPPED_BLOCKS = Family(
     "vllm_tenant_active_swapped_blocks",
@@ -454,14 +456,20 @@ class TenantMetrics:
         fam[EVENTS_DROPPED.name].add_metric([], whole.events_dropped)
         for tenant, tier in sorted(whole.tenant_tiers.items()):
             fam[TENANT_INFO.name].add_metric([tenant, tier], 1)
-        for tenant, tier, reason, mode, n in totals.preemptions:
-            fam[PREEMPTIONS.name].add_metric([tenant, str(tier), reason, mode], n)
+        for tenant, tier, reason, mode, by_tier, n in totals.preemptions:
+            fam[PREEMPTIONS.name].add_metric([tenant, str(tier), reason, mode, by_tier], n)
         for tenant, tier, reason, n in totals.preempted_blocks:
             fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
-        for tenant, tier, leased, n in totals.evicted_blocks:
-            fam[CACHED_EVICTIONS.name].add_metric([tenant, str(tier), str(leased).lower()], n)
+        taken: dict[tuple[str, str, str], int] = {}  # KV_EVICTIONS sums over by_tier
+        for tenant, tier, leased, by_tier, n in totals.evicted_blocks:
+            fam[CACHED_EVICTIONS.name].add_metric(
+                [tenant, str(tier), str(leased).lower(), by_tier], n
+            )
             reason = "leased_cache_eviction" if leased else "cache_eviction"
-            fam[KV_EVICTIONS.name].add_metric([tenant, self._priority(tier), reason], n)
+            key = (tenant, self._priority(tier), reason)
+            taken[key] = taken.get(key, 0) + n
+        for labels, n in sorted(taken.items()):
+            fam[KV_EVICTIONS.name].add_metric(list(labels), n)
         for tenant, seconds in totals.block_seconds:
             fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
         for tenant, tier, state, seconds in sorted(totals.retention_block_seconds):

@@ -14,6 +14,7 @@ leading quote before =, +, -, @) is read back as it was.
 from __future__ import annotations
 
 import csv
+import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import fields
@@ -22,7 +23,7 @@ from datetime import datetime
 from engine.tenancy import Prices
 from exporters.billing import FORMULA_STARTS, RAW_COLUMNS
 from exporters.join import OUTCOMES
-from exporters.ledger import RETENTION, UsageRecord
+from exporters.ledger import RETENTION, UsageRecord, causes_text
 
 LIMITS = {"request_id": 200, "tenant_id": 128, "tier": 32, "session_id": 128, "model": 200}
 COUNTS = tuple(f.name for f in fields(UsageRecord) if f.type == "int")  # token figures...
@@ -35,6 +36,7 @@ OPTIONAL_COLUMNS = {
     "lease_covered_tokens": "0",
     "kv_reserved_block_seconds": "0",
     "kv_retained_block_seconds": "0",
+    "recomputed_by": "",
 }
 RECORD_OUTCOMES = (*OUTCOMES, RETENTION)
 BLOCK_SECONDS = ("kv_block_seconds", "kv_reserved_block_seconds", "kv_retained_block_seconds")
@@ -156,7 +158,27 @@ def parse_row(row: dict[str, str | None]) -> UsageRecord:
         price_basis=_basis(cells["price_basis"]),
         **counts,
         **{name: _block_seconds(name, cells[name]) for name in BLOCK_SECONDS},
+        recomputed_by=_causes(cells["recomputed_by"], counts["recomputed_tokens"]),
     )
+
+
+def _causes(cell: str, recomputed: int) -> str | None:
+    """`recomputed_by`: a JSON object of tier -> whole tokens that add up to the record's
+    recomputed tokens, stored as `causes_text` writes it; empty: not known."""
+    if not cell:
+        return None
+    try:
+        causes = json.loads(cell)
+    except ValueError:
+        raise BadRow(f"recomputed_by is not JSON: {cell[:40]!r}") from None
+    if not isinstance(causes, dict) or not all(
+        isinstance(k, str) and len(k) <= LIMITS["tier"] and type(v) is int and 0 <= v <= MAX_COUNT
+        for k, v in causes.items()
+    ):
+        raise BadRow('recomputed_by is not an object of tier -> tokens, e.g. {"premium": 120}')
+    if sum(causes.values()) != recomputed:
+        raise BadRow("recomputed_by does not add up to recomputed_tokens")
+    return causes_text(causes)
 
 
 def _restore(cell: str) -> str:

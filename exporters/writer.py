@@ -33,7 +33,14 @@ from engine.labels import UNCLASSIFIED
 from engine.paths import kvlease_home, private_file
 from engine.tenancy import TierTable
 from exporters.join import FinishedRequest, kvlease_id
-from exporters.ledger import RETENTION, OpenRecord, UsageLedger, UsageRecord, retention_key
+from exporters.ledger import (
+    RETENTION,
+    OpenRecord,
+    UsageLedger,
+    UsageRecord,
+    causes_text,
+    retention_key,
+)
 from exporters.metrics import ProcessMetrics
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
@@ -70,6 +77,7 @@ def to_record(p: FinishedRequest, tiers: TierTable | None = None) -> UsageRecord
         partial=p.partial,
         price_basis=tiers[tier].prices.basis(tiers.currency) if priced else None,
         lease_covered_tokens=p.lease_covered_tokens,
+        recomputed_by=causes_text(p.recomputed_by),
     )
 
 

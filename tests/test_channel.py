@@ -82,13 +82,13 @@ def test_a_full_api_process_bounds_its_backlog_and_counts_what_it_loses():
 
 
 def test_the_whole_is_the_ranks_summed():
+    row = ["acme", "premium", "kv_pressure", "recompute", "premium"]
     a = _state(10, 4, {"acme": {"running": 3, "cached_leased": 1, "cached": 0}},
-               block_seconds=[["acme", 2.5]], preemptions=[["acme", "premium", "kv_pressure",
-                                                            "recompute", 1]])  # fmt: skip
+               block_seconds=[["acme", 2.5]], preemptions=[[*row, 1]])  # fmt: skip
     b = _state(12, 7, {"acme": {"running": 1, "cached_leased": 0, "cached": 2},
                        "bob": {"running": 2, "cached_leased": 0, "cached": 0}},
                block_seconds=[["acme", 1.5], ["bob", 1.0]],
-               preemptions=[["acme", "premium", "kv_pressure", "recompute", 2]])  # fmt: skip
+               preemptions=[[*row, 2]])  # fmt: skip
     whole = merge_states([a, b])
     assert (whole.pool_blocks, whole.free_blocks, whole.running, whole.waiting) == (22, 11, 2, 4)
     assert msgspec.to_builtins(whole.tenants["acme"]) == {
@@ -97,7 +97,9 @@ def test_the_whole_is_the_ranks_summed():
         "cached": 2,
     }
     assert sorted(whole.totals.block_seconds) == [("acme", 4.0), ("bob", 1.0)]
-    assert whole.totals.preemptions == [("acme", "premium", "kv_pressure", "recompute", 3)]
+    assert whole.totals.preemptions == [
+        ("acme", "premium", "kv_pressure", "recompute", "premium", 3)
+    ]
     assert whole.lease_summary["acme"].active == 2 and whole.waiting_by_tier == {"free": 4}
     assert merge_states([a]) is a
 

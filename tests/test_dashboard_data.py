@@ -279,10 +279,10 @@ def _events(*rows) -> pd.DataFrame:
 
 def test_the_timeline_filters_by_kind_tier_and_tenant_newest_first():
     events = _events(
-        (1_796_000_001.0, "preemption", "free", "bob", "kv_pressure", 1),
-        (1_796_000_002.0, "lease", "premium", "acme", "start", 1),
-        (1_796_000_003.0, "eviction", "standard", "Cy", "cache_eviction", 4),
-        (1_796_000_004.0, "alert", "", "", "KvleasePoolNearlyFull firing", 1),
+        (1_796_000_001.0, "preemption", "free", "bob", "kv_pressure", 1, "premium", "acme"),
+        (1_796_000_002.0, "lease", "premium", "acme", "start", 1, None, None),
+        (1_796_000_003.0, "eviction", "standard", "Cy", "cache_eviction", 4, "premium", "acme"),
+        (1_796_000_004.0, "alert", "", "", "KvleasePoolNearlyFull firing", 1, None, None),
     )
     assert list(data.filter_events(events)["kind"]) == ["alert", "eviction", "lease", "preemption"]
     assert list(data.filter_events(events, kinds=["lease"])["tenant_id"]) == ["acme"]
@@ -292,6 +292,34 @@ def test_the_timeline_filters_by_kind_tier_and_tenant_newest_first():
     assert {p for t in figure.data for p in t.y} == {"alert", "preemption", "eviction", "lease"}
     empty = charts.events_timeline(data.filter_events(events, tenant="nobody"))
     assert empty.layout.annotations[0].text.startswith("No event")
+
+
+def test_who_took_whose_cache_pairs_each_victim_with_the_tier_that_took_it():
+    events = _events(
+        (1_796_000_001.0, "preemption", "free", "bob", "kv_pressure", 1, "premium", "acme"),
+        (1_796_000_002.0, "preemption", "free", "bob", "admit_higher_tier", 1, "standard", "cy"),
+        (1_796_000_003.0, "eviction", "free", "bob", "cache_eviction", 4, "premium", "acme"),
+        (1_796_000_004.0, "eviction", "standard", "cy", "cache_eviction", 2, "none", None),
+        (1_796_000_005.0, "lease", "premium", "acme", "start", 1, None, None),
+    )
+    table = data.who_took_whose(events)
+    assert table.to_dict("records") == [
+        {"victim": "free", "cause": "premium", "preempted": 1, "evicted": 4},
+        {"victim": "standard", "cause": "- (cache reset)", "preempted": 0, "evicted": 2},
+        {"victim": "free", "cause": "standard", "preempted": 1, "evicted": 0},
+    ]
+    by_tenant = data.who_took_whose(events, by="tenant")
+    assert ("bob", "acme", 1, 4) in {tuple(r) for r in by_tenant.itertuples(index=False)}
+
+
+def test_history_events_carry_the_cause_as_a_label():
+    history = History(TenantLabels(max_labels=1), window=600)
+    mono = time.monotonic()
+    history.add_event(Eviction(mono, "bob", "free", False, 3, by_tier="premium", by_tenant="acme"))
+    history.add_event(Eviction(mono, "bob", "free", False, 1))  # no cause known
+    first, second = history.since(60)["events"]
+    assert (first["by_tier"], first["by_tenant"]) == ("premium", "__other__")  # bounded
+    assert (second["by_tier"], second["by_tenant"]) == ("none", None)
 
 
 def test_lease_starts_and_expiries_reach_the_timeline_but_not_renewals():

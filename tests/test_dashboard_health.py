@@ -41,9 +41,9 @@ def test_the_engine_figures_fire_the_bundled_rules():
     live = _live(
         free=1,
         events=[
-            (now - 10, "preemption", "premium", "acme", "kv_pressure", 1),
-            (now - 5, "eviction", "free", "bob", "leased_cache_eviction", 3),
-            (now - 5, "eviction", "free", "bob", "cache_eviction", 9),
+            (now - 10, "preemption", "premium", "acme", "kv_pressure", 1, "premium", "zed"),
+            (now - 5, "eviction", "free", "bob", "leased_cache_eviction", 3, "free", "cy"),
+            (now - 5, "eviction", "free", "bob", "cache_eviction", 9, "free", "cy"),
         ],
         reuse=[(now - 30, "premium", 10, 90)],
     )

@@ -91,9 +91,12 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
             "state": _state(
                 tenants={"acme": {"running": 3, "cached_leased": 2, "cached": 1}},
                 tenant_tiers={"acme": "premium"},
-                preemptions=[["acme", "premium", "kv_pressure", "recompute", 2]],
+                preemptions=[["acme", "premium", "kv_pressure", "recompute", "premium", 2]],
                 preempted_blocks=[["acme", "premium", "kv_pressure", 7]],
-                evicted_blocks=[["acme", "premium", True, 4]],
+                evicted_blocks=[
+                    ["acme", "premium", True, "standard", 3],
+                    ["acme", "premium", True, "premium", 1],
+                ],
                 block_seconds=[["acme", 12.5]],
                 recomputed_tokens=[["acme", 33]],
                 lease_reuse_tokens=[["premium", "reused", 320], ["premium", "lost", 32]],
@@ -132,9 +135,13 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
             tier="premium",
             reason="kv_pressure",
             mode="recompute",
+            by_tier="premium",
         )
         == 2
     )
+    evicted = "vllm_tenant_cached_block_evictions"
+    assert value(evicted, tenant_id="acme", leased="true", by_tier="standard") == 3
+    assert value(evicted, tenant_id="acme", leased="true", by_tier="premium") == 1
     assert (
         value(
             "vllm_tenant_kv_cache_evictions",

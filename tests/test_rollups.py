@@ -181,7 +181,8 @@ def test_rebuild_rollups_cli_restores_damaged_rollups(ledger, capsys):
 
 def test_an_older_ledger_gets_its_rollups_when_migrated(tmp_path):
     """A ledger at schema version 4 (records only, no retention columns), made by its own
-    migrations, gains rollups equal to its records' sums and the retention columns."""
+    migrations, gains rollups equal to its records' sums, the retention columns and the
+    recomputed tokens' causes (read as unknown)."""
     from sqlalchemy import create_engine, text
 
     from exporters.ledger import MIGRATIONS
@@ -191,7 +192,7 @@ def test_an_older_ledger_gets_its_rollups_when_migrated(tmp_path):
     v4 = [
         c
         for c in records[0].__dict__
-        if c not in ("kv_reserved_block_seconds", "kv_retained_block_seconds")
+        if c not in ("kv_reserved_block_seconds", "kv_retained_block_seconds", "recomputed_by")
     ]
     old = create_engine(url)
     with old.begin() as conn:
@@ -235,7 +236,7 @@ def test_import_reports_each_bad_row_and_imports_the_good_ones(ledger, tmp_path,
     from exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
-    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0,"
     rows = [
         good,
         good.replace("kvl-1", "kvl-2").replace(",10,5,", ",10,50,"),
@@ -337,7 +338,7 @@ def test_import_bounds_every_value_and_keeps_the_good_rows_of_a_batch(ledger, tm
     from exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
-    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0,"
     basis = (
         '"{""block_hour"": ""{}"", ""cached_input_per_1k"": ""0"", ""currency"": ""USD"", '
         '""input_per_1k"": ""0"", ""output_per_1k"": ""0""}"'
@@ -381,7 +382,7 @@ def test_import_reports_a_repeated_id_by_line(ledger, tmp_path, capsys):
     from exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
-    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0"
+    good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0,"
     path = tmp_path / "in.csv"
     path.write_text(
         ",".join(RAW_COLUMNS) + "\n" + good + "\n" + good.replace(",10,", ",11,") + "\n"

@@ -663,3 +663,40 @@ def test_a_reservation_that_only_turns_work_away_shrinks_to_one_block(demo_model
     assert scheduler._payback.caps[premium] == cap
     assert queue.reserved_sizes()[premium] == cap
     queue.check()
+
+
+# -- who took whose cache ---------------------------------------------------------------
+
+
+def test_an_admission_preemption_is_the_admitted_tiers_doing(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    for prompt in (300, 40):
+        scheduler.add_request(make_request("free-1", "free", prompt, 200))
+    step(scheduler)
+    scheduler.add_request(make_request("vip", "premium", 400, 10))
+    step(scheduler)
+    [preempted] = [e for e in scheduler.events.drain() if type(e).__name__ == "Preemption"]
+    assert (preempted.tier, preempted.reason) == ("free", "admit_higher_tier")
+    assert (preempted.by_tier, preempted.by_tenant) == ("premium", "vip")
+    counted = {k[4] for k in scheduler.accounting.preemptions}
+    assert counted == {"premium"}
+
+
+def test_every_preemption_and_eviction_names_the_allocation_that_caused_it(demo_model):
+    """Under pressure each preemption is caused by a running or admitted request's
+    allocation, and each request's recomputed tokens split by cause add up to its total."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    for i in range(12):
+        scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
+    events = []
+    _run(scheduler, each_step=lambda s: events.extend(s.events.drain()))
+    kinds = {type(e).__name__ for e in events}
+    preempted = [e for e in events if type(e).__name__ == "Preemption"]
+    assert preempted and all(e.by_tier in TIERS and e.by_tenant for e in preempted)
+    # kvlease takes from the lowest class first: a lower tier never takes a higher one's
+    rank = {t: i for i, t in enumerate(TIERS)}
+    assert all(rank[e.by_tier] <= rank[e.tier] for e in preempted), kinds
+    for done in (e for e in events if type(e).__name__ == "RequestDone"):
+        assert sum(done.recomputed_by.values()) == done.recomputed_tokens
+    evicted = [e for e in events if type(e).__name__ == "Eviction"]
+    assert all(e.by_tier in (*TIERS, "none") for e in evicted)

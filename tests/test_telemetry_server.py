@@ -5,6 +5,7 @@ protobuf."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -178,6 +179,8 @@ def test_preemptions_carry_the_real_tenant_and_tier(loaded):
     for s in samples:
         tenant, tier = s.labels["tenant_id"], s.labels["tier"]
         assert tier in TIERS and tenant.startswith(f"{tier}-")
+        # whose allocation took the blocks: a tenant's tier, never a less important one
+        assert TIERS.index(s.labels["by_tier"]) <= TIERS.index(tier), s.labels
     # Lower tiers lose more (which lower tier depends on who was running when the pool
     # ran short: HTTP arrivals are not ordered; premium alone can outgrow the pool).
     lower = sum(_sum(families, "vllm_tenant_preemptions", tier=t) for t in TIERS[1:])
@@ -289,7 +292,11 @@ def test_every_answered_request_has_exactly_one_usage_record(loaded, usage_db):
         assert r.tier == r.tenant_id.split("-")[0] and r.model == "kvlease-demo"
         assert r.output_tokens == REPLY_TOKENS and r.outcome == "completed"
         assert r.input_tokens > 0 and r.kv_block_seconds > 0
+        if r.recomputed_by is not None:  # who preempted it, and for how many tokens
+            causes = json.loads(r.recomputed_by)
+            assert set(causes) <= set(TIERS) and sum(causes.values()) == r.recomputed_tokens
     assert sum(r.preemptions for r in records) > 0
+    assert any(r.recomputed_by for r in records)
 
 
 def test_the_record_is_committed_before_the_response_completes(loaded, usage_db):

@@ -101,7 +101,7 @@ def test_import_into_a_ledger_that_does_not_exist_needs_create(tmp_path, capsys)
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
     raw.write_text(
         ",".join(RAW_COLUMNS)
-        + f"\nkvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0\n"
+        + f"\nkvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0,\n"
     )
     typo = tmp_path / "tpyo" / "usage.db"
     assert main(["usage", "import", str(raw), "--usage-db", f"sqlite:///{typo}"]) == 2
@@ -163,3 +163,27 @@ def test_the_summary_has_a_row_per_tenant_with_its_statements_total(november_led
         "2001",
         "800",
     )
+
+
+def test_recomputed_tokens_by_cause_are_imported_only_when_they_add_up(tmp_path, capsys):
+    from exporters.billing import RAW_COLUMNS
+
+    times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
+    row = "kvl-{},acme,free,,m," + times + ",10,5,3,120,1,1.5,completed,False,,0,0,0,{}"
+    raw = tmp_path / "in.csv"
+    lines = [
+        row.format(1, '"{""premium"":100,""free"":20}"'),  # adds up
+        row.format(2, '"{""premium"":90}"'),  # does not
+        row.format(3, "not-json"),
+        row.format(4, ""),  # unknown: an earlier kvlease's record
+    ]
+    raw.write_text(",".join(RAW_COLUMNS) + "\n" + "\n".join(lines) + "\n")
+    db = f"sqlite:///{tmp_path / 'u.db'}"
+    assert main(["usage", "import", str(raw), "--usage-db", db, "--create"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"{raw}:3: recomputed_by does not add up to recomputed_tokens",
+        f"{raw}:4: recomputed_by is not JSON: 'not-json'",
+    ]
+    stored = {r.request_id: r.recomputed_by for r in UsageLedger(db).read(0, 4e9)}
+    assert stored == {"kvl-1": '{"free":20,"premium":100}', "kvl-4": None}
