@@ -150,6 +150,30 @@ def event_timeline(events: pd.DataFrame) -> None:
     )
 
 
+def who_took_whose(events: pd.DataFrame) -> None:
+    st.markdown(
+        "**Who took whose cache** (this window: the tier or tenant that lost blocks, and "
+        "the one whose allocation took them)"
+    )
+    by = st.radio("By", ["tier", "tenant"], horizontal=True, key="taken_by")
+    table = data.who_took_whose(events, by)
+    if table.empty:
+        st.caption("Nobody lost a block to anyone in this window.")
+        return
+    st.dataframe(
+        table.rename(
+            columns={
+                "victim": f"lost by ({by})",
+                "cause": f"taken by ({by})",
+                "preempted": "preempted requests",
+                "evicted": "evicted cached blocks",
+            }
+        ),
+        hide_index=True,
+        key="taken",
+    )
+
+
 EVENTS_LISTED = 200
 
 
@@ -224,6 +248,7 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
     keep = data.top_tenant_ids(live.occupancy, top)
     st.plotly_chart(charts.occupancy_area(data.top_occupancy(live.occupancy, keep)), key="blocks")
     event_timeline(live.events)
+    who_took_whose(live.events)
     st.plotly_chart(charts.lease_hit_lines(data.lease_hit_series(live.lease_reuse)), key="lease")
     fair = data.fair_share_table(live.fair_share, pd.Timestamp.now(tz="UTC"))
     st.markdown(

@@ -14,6 +14,7 @@ are pure and unit-tested. Failures are `SourceError`s with one sentence for the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -385,6 +386,7 @@ REQUEST_COLUMNS = {
     "cached_input_tokens": "Cached input tokens",
     "output_tokens": "Output tokens",
     "recomputed_tokens": "Recomputed tokens",
+    "recomputed_by": "Recomputed for (tier: tokens)",
     "preemptions": "Preemptions",
     "kv_block_seconds": "KV block-seconds",
 }
@@ -395,8 +397,19 @@ def load_requests(url: str, tenant: str, start: float, end: float, limit: int) -
     return _readable(lambda: requests_frame(_ledger(url).latest(tenant, start, end, limit)))
 
 
+def _causes(stored: str | None) -> str:
+    """`{"premium":100,"free":20}` as `premium: 100, free: 20` (`-`: none, or unknown)."""
+    if not stored:
+        return EMPTY
+    causes = json.loads(stored)
+    return ", ".join(f"{tier}: {n:,}" for tier, n in sorted(causes.items(), key=lambda x: -x[1]))
+
+
 def requests_frame(records) -> pd.DataFrame:
-    rows = [{c: getattr(r, c) for c in REQUEST_COLUMNS} for r in records]
+    rows = [
+        {c: getattr(r, c) for c in REQUEST_COLUMNS} | {"recomputed_by": _causes(r.recomputed_by)}
+        for r in records
+    ]
     frame = pd.DataFrame(rows, columns=list(REQUEST_COLUMNS))
     frame["ended_at"] = pd.to_datetime(frame["ended_at"], unit="s", utc=True)
     frame = frame.fillna({"session_id": EMPTY, "tier": EMPTY})

@@ -281,6 +281,28 @@ def kv_cache_panels(tiers: TierTable) -> list[Panel]:
             stacked=True,
         ),
         Panel(
+            "Who preempted whom",
+            "Running requests preempted per second, by the victim's tier and the tier whose "
+            "allocation or admission took the blocks (by_tier; none: a prefix-cache reset).",
+            _q(
+                _sum("rate", m.PREEMPTIONS.name, "tier, by_tier", TIER),
+                "{{tier}} by {{by_tier}}",
+            ),
+            unit="reqps",
+            stacked=True,
+        ),
+        Panel(
+            "Who evicted whose prefix",
+            "Cached prefix blocks evicted per second, by the owner's tier and the tier whose "
+            "allocation took them (by_tier): who evicted whose prefix.",
+            _q(
+                _sum("rate", m.CACHED_EVICTIONS.name, "tier, by_tier", TIER),
+                "{{tier}} by {{by_tier}}",
+            ),
+            unit=BLOCKS_PER_S,
+            stacked=True,
+        ),
+        Panel(
             "Offloaded (swapped) blocks",
             "Blocks of requests preempted in offload mode and not yet resumed (always 0 "
             "without KV offloading, as on CPU).",
@@ -719,10 +741,12 @@ def _rules(tiers: TierTable) -> list[dict[str, Any]]:
     return [
         {
             "alert": f"Kvlease{top.capitalize()}Preempted",
-            "expr": f'{by} (increase({m.PREEMPTIONS.name}{{tier="{top}"}}[5m])) > 0',
+            "expr": f"sum by (job, instance, by_tier) "
+            f'(increase({m.PREEMPTIONS.name}{{tier="{top}"}}[5m])) > 0',
             "labels": {"severity": "warning"},
             "annotations": {
-                "summary": f"{top} requests were preempted on {{{{ $labels.instance }}}}",
+                "summary": f"{top} requests were preempted on {{{{ $labels.instance }}}}, "
+                "for {{ $labels.by_tier }} work",
                 "description": f"{{{{ $value | humanize }}}} {top} preemptions in 5 minutes. "
                 f"kvlease preempts {top} work only when nothing of a lower class is left to "
                 f"take: the pool is too small for the {top} load (or every running request "
@@ -742,12 +766,12 @@ def _rules(tiers: TierTable) -> list[dict[str, Any]]:
         },
         {
             "alert": "KvleaseLeaseEvictions",
-            "expr": f"sum by (job, instance, tier) "
+            "expr": f"sum by (job, instance, tier, by_tier) "
             f'(increase({m.CACHED_EVICTIONS.name}{{leased="true"}}[10m])) > 0',
             "labels": {"severity": "info"},
             "annotations": {
                 "summary": "Leased prefixes of {{ $labels.tier }} tenants were evicted on "
-                "{{ $labels.instance }}",
+                "{{ $labels.instance }}, for {{ $labels.by_tier }} work",
                 "description": "{{ $value | humanize }} lease-protected cached blocks evicted "
                 "in 10 minutes: the leased-cache cap of the tier, or the pool, is too small "
                 "for the sessions it protects.",

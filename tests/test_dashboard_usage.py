@@ -187,3 +187,10 @@ def test_budgets_are_read_against_a_calendar_month_only(november_ledger, tiers):
 def test_a_tenants_requests_come_newest_first(november_ledger):
     frame = usage.load_requests(november_ledger.url, "acme", NOV, DEC, limit=1)
     assert list(frame["Request"]) == [f"kvl-{1:032x}"] and frame["Session"][0] == "-"
+
+
+def test_a_requests_recomputed_tokens_show_whose_work_caused_them(tmp_path):
+    ledger = UsageLedger(f"sqlite:///{tmp_path / 'u.db'}")
+    ledger.write([rec(1, "bob", "free", recomputed_by='{"free":20,"premium":50}')])
+    frame = usage.load_requests(ledger.url, "bob", NOV, DEC, limit=10)
+    assert frame["Recomputed for (tier: tokens)"][0] == "premium: 50, free: 20"
