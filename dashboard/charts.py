@@ -196,6 +196,8 @@ def over_time(series: pd.DataFrame, unit: str, by: str) -> go.Figure:
         title=title,
     )
     fig.update_layout(height=380, barmode="stack")
+    # A bar is a day: label days ("Dec 1"), never a midnight ("00:00:00 Dec 1, 2026").
+    fig.update_xaxes(tickformat="%b %-d", dtick=86_400_000, hoverformat="%Y-%m-%d")
     return fig
 
 

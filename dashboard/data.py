@@ -162,7 +162,7 @@ class EngineSource:
 
     def _get(self, path: str) -> dict[str, Any]:
         if not self.token:
-            raise SourceError("The engine's admin API needs a token with the admin role.")
+            raise SourceError(self._why_no_token())
         try:
             r = httpx.get(
                 self.url + path,
@@ -174,6 +174,16 @@ class EngineSource:
         if r.status_code == 200:
             return r.json()
         raise SourceError(f"The engine at {self.url} answered {r.status_code}: {_message(r)}")
+
+    def _why_no_token(self) -> str:
+        """Without a token the page can still say whether the engine is there at all:
+        vLLM's /health needs none."""
+        needs = "the admin API needs a token with the admin role"
+        try:
+            httpx.get(self.url + "/health", timeout=self.timeout)
+        except httpx.HTTPError as exc:
+            return f"The engine at {self.url} is not reachable ({exc}); {needs} too."
+        return f"The engine at {self.url} answers, but {needs}."
 
 
 def _message(r: httpx.Response) -> str:

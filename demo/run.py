@@ -435,6 +435,7 @@ def _preemptions(text: str) -> Counter[str]:
 def _summary(
     demo: Demo, spec, tiers: TierTable, stats: LoadStats | None, metrics: str, since: float
 ) -> None:
+    from exporters import money
     from exporters.billing import record_cost
     from exporters.ledger import RETENTION, UsageLedger
 
@@ -467,11 +468,21 @@ def _summary(
         ttft = sorted(stats.ttft[t]) if stats else []
         p50 = f"{ttft[len(ttft) // 2]:.2f} s" if ttft else "-"
         hit = tokens[t]["cached_input"] / tokens[t]["input"] if tokens[t]["input"] else 0.0
-        cells = (done, rejected, errors, p50, preempted[t], f"{hit:.0%}")
+        cells = (
+            f"{done:,}",
+            f"{rejected:,}",
+            f"{errors:,}",
+            p50,
+            f"{preempted[t]:,}",
+            f"{hit:.0%}",
+        )
         print(f"{t:<10}" + "".join(f"{c:>13}" for c in cells))
     top = sorted(cost.items(), key=lambda kv: (-kv[1], kv[0]))[:12]
     print(f"cost per tenant ({tiers.currency}, from the ledger): ", end="")
-    print(" · ".join(f"{tenant} {value:.4f}" for tenant, value in top) or "none")
+    print(
+        " · ".join(f"{tenant} {money.shown(value, tiers.currency)}" for tenant, value in top)
+        or "none"
+    )
     print(f"ledger: {demo.ledger} ({len(records)} records from this run)")
     if stats and stats.error_statuses:
         print(

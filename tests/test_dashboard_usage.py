@@ -79,6 +79,7 @@ def test_cost_and_tokens_over_time_stack_days_by_tier_or_top_tenants(november_le
     assert tokens["value"].sum() == t["input_tokens"].sum() + t["output_tokens"].sum()
     figure = charts.over_time(by_tier, tiers.currency, "tier")
     assert figure.layout.barmode == "stack" and len(figure.data) == 3
+    assert figure.layout.xaxis.tickformat == "%b %-d"  # a day, not "00:00:00 Dec 1, 2026"
 
 
 def test_the_pages_statement_reads_one_tenant_from_the_ledger_in_minor_units(tmp_path, tiers):
