@@ -11,12 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from servers import free_port
+from waiting import until
 
 HANG = 120  # seconds: a hang, not a slow machine
 
@@ -38,13 +38,6 @@ def _gone(pid: int) -> bool:
     except OSError:
         return True
     return state == "Z"
-
-
-def _until(predicate, what: str) -> None:
-    deadline = time.monotonic() + HANG
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def _port_free(port: int) -> bool:
@@ -70,7 +63,7 @@ def _start(port: int, log: Path) -> tuple[subprocess.Popen, int]:
         assert proc.poll() is None, log.read_text()
         return False
 
-    _until(up, "the dashboard to answer its health check")
+    until(up, "the dashboard to answer its health check")
     [streamlit] = _children(proc.pid)
     return proc, streamlit
 
@@ -81,8 +74,8 @@ def test_a_signal_stops_the_dashboard_and_its_streamlit(sig, tmp_path):
     proc, streamlit = _start(port, tmp_path / "dashboard.log")
     proc.send_signal(sig)
     assert proc.wait(timeout=HANG) == 128 + sig
-    _until(lambda: _gone(streamlit), "Streamlit to end")
-    _until(lambda: _port_free(port), "the port to be free")
+    until(lambda: _gone(streamlit), "Streamlit to end")
+    until(lambda: _port_free(port), "the port to be free")
 
 
 def test_a_killed_dashboard_takes_its_streamlit_along_and_starts_again(tmp_path):
@@ -90,8 +83,8 @@ def test_a_killed_dashboard_takes_its_streamlit_along_and_starts_again(tmp_path)
     proc, streamlit = _start(port, tmp_path / "first.log")
     proc.kill()
     proc.wait()
-    _until(lambda: _gone(streamlit), "Streamlit to end after its parent was killed")
-    _until(lambda: _port_free(port), "the port to be free")
+    until(lambda: _gone(streamlit), "Streamlit to end after its parent was killed")
+    until(lambda: _port_free(port), "the port to be free")
     again, _ = _start(port, tmp_path / "second.log")
     again.send_signal(signal.SIGTERM)
     assert again.wait(timeout=HANG) == 128 + signal.SIGTERM
