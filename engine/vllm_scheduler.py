@@ -26,7 +26,7 @@ as little of vLLM as it can and copies none of `schedule()`:
   prefix is reserved after a turn only for its window (`engine.reservations`,
   decided in `_end_turn`), then retained until its lease ends. Each tier's
   reservation cap shrinks while it turns away more work than its reuse saves
-  (`engine.payback`: refusals counted in `_allocate_slots`, caps set in `schedule`).
+  (`engine.payback`: refusals counted in `_allocate_leasing`, caps set in `schedule`).
 - `_preempt_request`, `_free_request`, `_free_request_blocks` and the deferred
   frees are wrapped to record events, leases and accounting.
 """
@@ -552,6 +552,7 @@ class TenantSchedulingMixin:
         if self._awaiting_hit:
             self._note_lease_hits()
         self._report_evictions()
+        self._cause = None  # no request outlives its step here
         return output
 
     def _charge_running(self) -> None:
@@ -645,12 +646,20 @@ class TenantSchedulingMixin:
         return blocks
 
     def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
+        """vLLM's `allocate_slots` in a step that may run short (`_allocate_leasing`),
+        noting whose allocation evicts, as `_allocate_noting_cause` does."""
+        self._cause = request
+        blocks = self._allocate_leasing(request, *args, **kwargs)
+        if self._free_queue.evicting:
+            self._report_evictions(request)
+        return blocks
+
+    def _allocate_leasing(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots`, with the leases of more important tiers reserved from
         `request` (unless nothing else runs), and, when a running request gets no blocks,
         the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
         queue = self._free_queue
         running = request.status is RUNNING
-        self._cause = request
         if self._kv_caps and self._refused_by_kv_cap(request, running, args, kwargs):
             return None
         most = self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
@@ -670,8 +679,6 @@ class TenantSchedulingMixin:
             blocks = self._allocate(request, *args, **kwargs)
         if blocks is None and running and self.policy == SchedulingPolicy.FCFS:
             self._place_victim(request)
-        if queue.evicting:
-            self._report_evictions(request)
         return blocks
 
     def _refused_by_kv_cap(
