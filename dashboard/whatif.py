@@ -264,12 +264,13 @@ def _start_reaper() -> None:
 
 def sweep_stale(root: str | None = None) -> int:
     """Remove the `kvlease-whatif-*` folders whose dashboard process is gone (killed, so
-    no exit handler ran), ending their replay child first; how many were removed."""
+    no exit handler ran), ending their replay child first; how many were removed. A
+    folder without an owner file is left alone: another dashboard may be using it."""
     removed = 0
     for folder in Path(root or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
         owner = _pid(folder / OWNER_FILE)
-        if owner is not None and _alive(owner):
-            continue
+        if owner is None or _alive(owner):
+            continue  # its dashboard runs, or nothing says whose it is (an older kvlease's)
         child = _pid(folder / CHILD_FILE)
         if child is not None and _alive(child) and _is_replay(child):
             _signal_group(child, signal.SIGKILL)

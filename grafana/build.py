@@ -149,7 +149,8 @@ def kv_cache_panels(tiers: TierTable) -> list[Panel]:
             f"preempts {top} work only when nothing of a lower tier is left to take, so "
             f"any is red (the Kvlease{top.capitalize()}Preempted alert).",
             _q(
-                _sum("increase", m.PREEMPTIONS.name, "", f'{SEL}, tier="{top}"', RANGE),
+                _sum("increase", m.PREEMPTIONS.name, "", f'{SEL}, tier="{top}"', RANGE)
+                + " or vector(0)",  # none yet: 0, not "No data"
                 "preemptions",
             ),
             kind="stat",
@@ -162,7 +163,8 @@ def kv_cache_panels(tiers: TierTable) -> list[Panel]:
             "range: the tier's leased cap or the pool is too small (the "
             "KvleaseLeaseEvictions alert).",
             _q(
-                _sum("increase", m.CACHED_EVICTIONS.name, "", f'{SEL}, leased="true"', RANGE),
+                _sum("increase", m.CACHED_EVICTIONS.name, "", f'{SEL}, leased="true"', RANGE)
+                + " or vector(0)",
                 "evictions",
             ),
             kind="stat",

@@ -192,7 +192,8 @@ def test_a_real_prometheus_scrapes_and_stores_every_kvlease_metric(loaded, tmp_p
         wait_for_series(prom, "vllm_tenant_kv_pool_blocks")
         missing = []
         for family in FAMILIES:
-            name = f"{family.name}_count" if family.kind == "histogram" else family.name
+            counted = ("histogram", "summary")  # their series are _count, _sum, ...
+            name = f"{family.name}_count" if family.kind in counted else family.name
             r = httpx.get(f"{prom}/api/v1/query", params={"query": name}, timeout=5)
             if not r.json()["data"]["result"]:
                 missing.append(name)

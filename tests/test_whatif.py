@@ -122,6 +122,8 @@ def test_folders_a_killed_dashboard_left_are_removed_and_their_replay_ended(tmp_
     live = tmp_path / f"{whatif.FOLDER_PREFIX}live"
     live.mkdir()
     (live / whatif.OWNER_FILE).write_text(str(os.getpid()))  # this process: still running
+    unowned = tmp_path / f"{whatif.FOLDER_PREFIX}unowned"  # nothing says whose: kept
+    unowned.mkdir()
     assert whatif.sweep_stale(str(tmp_path)) == 1
-    assert not stale.exists() and live.exists()
+    assert not stale.exists() and live.exists() and unowned.exists()
     assert child.wait(timeout=10) == -signal.SIGKILL
