@@ -633,13 +633,25 @@ def pick_tenants(tenants: pd.DataFrame, search: str = "", top: int = 20) -> pd.D
     return ordered.drop(columns="_total").head(top).reset_index(drop=True)
 
 
-def top_occupancy(occupancy: pd.DataFrame, keep: Iterable[str]) -> pd.DataFrame:
-    """Occupancy with every tenant outside `keep` summed into one `other` series."""
+CHART_POINTS = 120  # per series: what a chart a few hundred pixels wide can show
+
+
+def top_occupancy(
+    occupancy: pd.DataFrame, keep: Iterable[str], points: int = CHART_POINTS
+) -> pd.DataFrame:
+    """Occupancy with every tenant outside `keep` summed into one `other` series, at
+    most `points` times a series (the mean over each bucket): a page refresh sends and
+    draws a few thousand points, not one per second per tenant and state."""
     keep = set(keep)
     frame = occupancy.assign(
         tenant_id=occupancy["tenant_id"].where(occupancy["tenant_id"].isin(keep), OTHER)
     )
-    return frame.groupby(["t", "tenant_id", "state"], as_index=False)["blocks"].sum()
+    summed = frame.groupby(["t", "tenant_id", "state"], as_index=False)["blocks"].sum()
+    if summed.empty or summed["t"].nunique() <= points:
+        return summed
+    span = (summed["t"].max() - summed["t"].min()) / points
+    bucketed = summed.assign(t=summed["t"].dt.floor(span.ceil("s")))
+    return bucketed.groupby(["t", "tenant_id", "state"], as_index=False)["blocks"].mean()
 
 
 def top_tenant_ids(occupancy: pd.DataFrame, top: int) -> list[str]:
