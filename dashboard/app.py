@@ -52,9 +52,10 @@ def load_requests(url: str, tenant: str, start: float, end: float) -> pd.DataFra
     return usage.load_requests(url, tenant, start, end, REQUESTS_SHOWN)
 
 
-@st.cache_resource
+@st.cache_data(ttl=30, show_spinner=False, max_entries=1)
 def budget_table() -> BudgetTable | None:
-    """The budget file `kvlease serve` enforces ($KVLEASE_BUDGETS), if there is one."""
+    """The budget file `kvlease serve` enforces ($KVLEASE_BUDGETS), if there is one,
+    re-read every 30 s as the server re-reads it when it changes."""
     path = os.environ.get(BUDGETS_ENV)
     return BudgetTable.load(path) if path else None
 
