@@ -112,7 +112,7 @@ REFERENCE_TABLE = (
     " ended_at FLOAT, input_tokens INTEGER, cached_input_tokens INTEGER, output_tokens INTEGER,"
     " recomputed_tokens INTEGER, preemptions INTEGER, kv_block_seconds FLOAT, outcome TEXT,"
     " partial BOOLEAN, price_basis TEXT, lease_covered_tokens INTEGER,"
-    " kv_reserved_block_seconds FLOAT, kv_retained_block_seconds FLOAT)"
+    " kv_reserved_block_seconds FLOAT, kv_retained_block_seconds FLOAT, recomputed_by TEXT)"
 )
 REFERENCE_EXPORT = (
     "SELECT tenant_id, model, tier, {day} AS day, count(*), sum(input_tokens),"
