@@ -20,7 +20,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -102,7 +101,6 @@ def main() -> int:
     ]
     admin = session_token(keyring, tiers, "bench-admin", "premium", roles=("admin",))
     stop = threading.Event()
-    dashboard = None
     rounds: dict[str, list[dict[str, float]]] = {"quiet": [], "loaded": []}
     try:
         if not start_server(demo, resolve_model(None), TierTable.shipped(), None, env):
@@ -110,12 +108,12 @@ def main() -> int:
         load = threading.Thread(target=_load, args=(stop, f"{demo.url}/v1", tokens))
         load.start()
         port = free_port()
-        dashboard = subprocess.Popen(
+        # `kvlease dashboard` as an operator runs it; the demo's stop_all ends it with the rest
+        demo.spawn(
+            "dashboard",
             [sys.executable, "-m", "server.cli", "dashboard", "--engine", demo.url,
              "--port", str(port)],
-            env={**os.environ, "KVLEASE_DASHBOARD_TOKEN": admin},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            {**os.environ, "KVLEASE_DASHBOARD_TOKEN": admin},
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -143,9 +141,6 @@ def main() -> int:
             browser.close()
     finally:
         stop.set()
-        if dashboard is not None:
-            dashboard.send_signal(signal.SIGTERM)
-            dashboard.wait(30)
         demo.stop_all()
     result = {
         "machine": report.machine(),

@@ -503,21 +503,18 @@ def live_from_prometheus(
 
 
 def _alert_starts(series: list[dict[str, Any]]) -> list[tuple]:
-    """An event where each alert's ALERTS series starts again after a gap: when it went
-    pending or firing."""
+    """An event where each alert's ALERTS series starts, and again after each gap longer
+    than its step: when it went pending or firing."""
     out = []
     for s in series:
-        name, state = s["metric"].get("alertname", ""), s["metric"].get("alertstate", "")
-        step = None
-        last = None
-        for ts, _ in s["values"]:
-            t = float(ts)
-            if last is not None and step is None:
-                step = t - last
-            if last is None or (step is not None and t - last > step * 1.5):
-                tier, tenant = s["metric"].get("tier", ""), s["metric"].get("tenant_id", "")
-                out.append((t, "alert", tier, tenant, f"{name} {state}", 1.0, None, None))
-            last = t
+        labels = s["metric"]
+        who = (labels.get("tier", ""), labels.get("tenant_id", ""))
+        what = f"{labels.get('alertname', '')} {labels.get('alertstate', '')}"
+        times = [float(ts) for ts, _ in s["values"]]
+        step = min((b - a for a, b in itertools.pairwise(times)), default=0.0)
+        for before, t in zip([None, *times], times, strict=False):
+            if before is None or t - before > step * 1.5:
+                out.append((t, "alert", *who, what, 1.0, None, None))
     return out
 
 

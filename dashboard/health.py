@@ -60,17 +60,16 @@ def evaluate(live: data.Live, top_tier: str, minutes: float) -> list[Alert]:
                 f"KV pool {live.utilisation:.0%} in use (over {POOL_FULL:.0%})",
             )
         )
-    events = live.events
-    preempted = events[(events["kind"] == "preemption") & (events["tier"] == top_tier)]
-    if not preempted.empty:
+    if preempted := top_preemptions(live, top_tier):
         alerts.append(
             Alert(
                 f"Kvlease{top_tier.capitalize()}Preempted",
                 "firing",
                 "warning",
-                f"{int(preempted['n'].sum())} {top_tier} requests preempted {window}",
+                f"{preempted} {top_tier} requests preempted {window}",
             )
         )
+    events = live.events
     leased = events[(events["kind"] == "eviction") & (events["reason"] == "leased_cache_eviction")]
     for tier, blocks in leased.groupby("tier")["n"].sum().items():
         alerts.append(
@@ -103,6 +102,14 @@ def evaluate(live: data.Live, top_tier: str, minutes: float) -> list[Alert]:
             )
         )
     return alerts
+
+
+def top_preemptions(live: data.Live, top_tier: str) -> int:
+    """Requests of the top tier preempted in the window."""
+    events = live.events
+    return int(
+        events.loc[(events["kind"] == "preemption") & (events["tier"] == top_tier), "n"].sum()
+    )
 
 
 @dataclass(frozen=True)
@@ -141,14 +148,12 @@ class Strip:
 def strip(live: data.Live, alerts: list[Alert], top_tier: str) -> Strip:
     states = live.pool_states
     held = sum(states[s] for s in data.STATES)
-    events = live.events
-    top = events[(events["kind"] == "preemption") & (events["tier"] == top_tier)]
     return Strip(
         alerts=alerts,
         held=held / live.pool_blocks if live.pool_blocks else 0.0,
         in_use=live.utilisation,
         lease_hit=live.lease_hit_ratio,
         top_tier=top_tier,
-        top_preemptions=int(top["n"].sum()),
+        top_preemptions=top_preemptions(live, top_tier),
         waiting=live.waiting,
     )

@@ -35,6 +35,14 @@ _QUANTITY = {
     "1K Tokens": ("tokens", Decimal(1), 0),
     "Hours": ("block-hours", MICROS_PER_HOUR, 4),
 }
+
+
+def _quantity(units: int, pricing_unit: str) -> Decimal:
+    """Whole units (tokens, block-microseconds) as a statement reads them."""
+    _, divisor, places = _QUANTITY[pricing_unit]
+    return (Decimal(units) / divisor).quantize(Decimal(1).scaleb(-places))
+
+
 _PRICED_PER = {"1K Tokens": "1K tokens", "Hours": "block-hour"}
 CSV_COLUMNS = (
     "row_type",  # line, rounding or total: sum `amount` over line and rounding rows
@@ -70,8 +78,7 @@ class Line:
 
     @property
     def quantity(self) -> Decimal:
-        _, divisor, places = _QUANTITY[self.pricing_unit]
-        return (Decimal(self.units) / divisor).quantize(Decimal(1).scaleb(-places))
+        return _quantity(self.units, self.pricing_unit)
 
     @property
     def unit(self) -> str:
@@ -303,8 +310,8 @@ SUMMARY_COLUMNS = (
 
 def summary_row(s: Statement) -> dict[str, str]:
     """One tenant's line of the summary export: its statement's total and counts."""
-    hours = (Decimal(s.units("kv-block-hours")) / MICROS_PER_HOUR).quantize(Decimal("0.0001"))
-    retention = (Decimal(s.units("kv-retention")) / MICROS_PER_HOUR).quantize(Decimal("0.0001"))
+    hours = _quantity(s.units("kv-block-hours"), "Hours")
+    retention = _quantity(s.units("kv-retention"), "Hours")
     cached = s.units("cached-input-tokens")
     return {
         "tenant_id": s.tenant_id,
