@@ -165,6 +165,7 @@ def test_replay_benchmark_matches_the_real_engine_and_replays_both_sides(out, kv
 
 def test_dashboard_benchmark_times_the_live_pages_headline_and_charts(out, kvlease_home):
     result = _bench("dashboard", out, kvlease_home)
-    for state in ("quiet", "loaded"):
+    for state in ("loaded", "quiet"):
         assert 0 < result[state]["headline_s"] <= result[state]["charts_s"]
+        assert result[state]["main_thread_s"] > 0
         assert len(result["rounds"][state]) == 1
