@@ -5,8 +5,8 @@
 
 bench/policy.py measures the mechanisms on the real engine, on a 113-request trace.
 This plays a seeded trace of 1,000 tenants (100 premium, 300 standard, 600 free) on
-`replay.simulate`'s engine (vLLM's real scheduler code, kvlease's mixin, synthetic model
-outputs) and the calibrated CPU clock (`replay.clock.CPU_DEMO`, bench/calibrate.py),
+`kvlease.replay.simulate`'s engine (vLLM's real scheduler code, kvlease's mixin, synthetic model
+outputs) and the calibrated CPU clock (`kvlease.replay.clock.CPU_DEMO`, bench/calibrate.py),
 every way in its own process, two at a time:
   fcfs, priority   stock vLLM (PRIORITY with priority = tier), no stride
   kvlease          the shipped settings
@@ -33,11 +33,11 @@ from typing import Any
 from bench import report
 from bench.policy import ABLATION_SETTINGS, ABLATIONS
 from bench.workload import SPEC
-from demo.workload import TIERS, generate
-from engine.tenancy import TierTable
-from replay import command
-from replay.clock import CPU_DEMO
-from replay.synthetic import BLOCK
+from kvlease.demo.workload import TIERS, generate
+from kvlease.engine.tenancy import TierTable
+from kvlease.replay import command
+from kvlease.replay.clock import CPU_DEMO
+from kvlease.replay.synthetic import BLOCK
 
 RESULTS = Path(__file__).parent / "results"
 POOL = 128
@@ -53,7 +53,7 @@ WAYS = (*STOCK, "kvlease", *ABLATIONS)
 def run_way(way: str, turns: list, pool: int, model: str) -> dict[str, Any]:
     """One way's replay and its figures (in a worker process)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from replay.simulate import simulate
+    from kvlease.replay.simulate import simulate
 
     tiers = TierTable.load()
     began = time.perf_counter()
@@ -134,7 +134,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from demo.model import ensure_demo_model
+    from kvlease.demo.model import ensure_demo_model
 
     model = str(ensure_demo_model())
     spec = QUICK if args.quick else SCALE

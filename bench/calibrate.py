@@ -7,9 +7,9 @@ known shape, each timed with `perf_counter` around `LLMEngine.step()`:
 prefill-only steps of 1 to 8 prompts of 32 to 1,024 tokens, and decode-only
 steps of 1 to 64 requests. A least-squares fit of
 `seconds = base + prefill x prompt tokens + decode x decoding requests`
-over the medians (relative error) is `replay.clock.StepCost`; the fit, every point and its
+over the medians (relative error) is `kvlease.replay.clock.StepCost`; the fit, every point and its
 error go to bench/results/calibrate.{json,md}. Copy the three numbers into
-`replay.clock.CPU_DEMO` when the machine or the model changes.
+`kvlease.replay.clock.CPU_DEMO` when the machine or the model changes.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from demo.model import ensure_demo_model
+    from kvlease.demo.model import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     llm = start_engine("calibrate", model, Scheduler, "fcfs", POOL, max_len=2048).llm

@@ -35,11 +35,11 @@ import httpx
 from bench import report
 from bench.postgres import free_port
 from bench.soak import client
-from demo.client import LoadStats
-from demo.run import Demo, resolve_model, server_environment, session_token, start_server
-from demo.workload import WorkloadSpec, tenant_names
-from engine.auth import KeyRing
-from engine.tenancy import TierTable
+from kvlease.demo.client import LoadStats
+from kvlease.demo.run import Demo, resolve_model, server_environment, session_token, start_server
+from kvlease.demo.workload import WorkloadSpec, tenant_names
+from kvlease.engine.auth import KeyRing
+from kvlease.engine.tenancy import TierTable
 
 RESULTS = Path(__file__).parent / "results"
 CLIENTS = 12
@@ -115,7 +115,7 @@ def main() -> int:
         # `kvlease dashboard` as an operator runs it; the demo's stop_all ends it with the rest
         demo.spawn(
             "dashboard",
-            [sys.executable, "-m", "server.cli", "dashboard", "--engine", demo.url,
+            [sys.executable, "-m", "kvlease", "dashboard", "--engine", demo.url,
              "--port", str(port)],
             {**os.environ, "KVLEASE_DASHBOARD_TOKEN": admin},
         )  # fmt: skip

@@ -8,7 +8,7 @@ real in-process vLLM engine (demo model, 64-block pool, step clock). Closed
 loop, everyone backlogged: "heavy" keeps 80 requests outstanding, each of the
 four light tenants 8, and whoever's request finishes sends the next at once.
 Every request is 64 prompt tokens and 64 generated ones, so a request costs 192
-weighted tokens (engine.fairness: prompt 1, generated 2). Three ways:
+weighted tokens (kvlease.engine.fairness: prompt 1, generated 2). Three ways:
   fcfs     stock vLLM Scheduler, FCFS (requests in the order sent)
   kvlease  TenantAwareScheduler, fair share on (the default)
   hog      kvlease, the light tenants keeping 1 request each: fair share is
@@ -40,7 +40,7 @@ from bench.inprocess import start_engine
 
 POOL_BLOCKS = 64
 PROMPT = OUTPUT = 64
-REQUEST_COST = PROMPT + 2 * OUTPUT  # weighted tokens, as engine.fairness counts them
+REQUEST_COST = PROMPT + 2 * OUTPUT  # weighted tokens, as kvlease.engine.fairness counts them
 TENANTS = {"heavy": 80, "light-1": 8, "light-2": 8, "light-3": 8, "light-4": 8}  # outstanding
 HOG = {**TENANTS, **{t: 1 for t in TENANTS if t != "heavy"}}  # the others nearly idle
 TIER = "free"
@@ -146,7 +146,7 @@ def play(engine: Any, steps: int, tenants: dict[str, int], seed: int = 0) -> dic
 
 
 def capped_tiers(share: float) -> Path:
-    text = resources.files("engine").joinpath("tiers.toml").read_text(encoding="utf-8")
+    text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text(encoding="utf-8")
     text = text.replace(f"[tiers.{TIER}]\n", f"[tiers.{TIER}]\nmax_tenant_kv_share = {share}\n")
     path = Path(tempfile.mkdtemp(prefix="kvlease-fairness-")) / "tiers.toml"
     path.write_text(text, encoding="utf-8")
@@ -208,8 +208,8 @@ def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from demo.model import ensure_demo_model
-    from engine.vllm_scheduler import TenantAwareScheduler
+    from kvlease.demo.model import ensure_demo_model
+    from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
     model = args.model or str(ensure_demo_model())
     kvlease = counting(TenantAwareScheduler)

@@ -18,10 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from demo.workload import TIERS, Turn
-from engine.tenancy import TenantContext, TierTable
-from exporters.ledger import DB_ENV
-from exporters.tracing import ENABLE_ENV as OTEL_ENV
+from kvlease.demo.workload import TIERS, Turn
+from kvlease.engine.tenancy import TenantContext, TierTable
+from kvlease.exporters.ledger import DB_ENV
+from kvlease.exporters.tracing import ENABLE_ENV as OTEL_ENV
 
 BLOCK_SIZE = 32
 
@@ -135,7 +135,7 @@ class Telemetry:
     """
 
     def __init__(self, workdir: Path) -> None:
-        from engine.channel import ADDRESS_ENV, new_address
+        from kvlease.engine.channel import ADDRESS_ENV, new_address
 
         self.sink = _OtlpSink()
         self.db = workdir / "usage.db"
@@ -143,7 +143,7 @@ class Telemetry:
         os.environ[DB_ENV] = f"sqlite:///{self.db}"
         os.environ[OTEL_ENV] = "1"
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = f"{self.sink.url}/v1/traces"
-        from exporters.telemetry import TELEMETRY
+        from kvlease.exporters.telemetry import TELEMETRY
 
         self.telemetry = TELEMETRY.start()
         self.scrapes = 0
@@ -152,18 +152,18 @@ class Telemetry:
 
     @staticmethod
     def stat_loggers() -> list:
-        from exporters.stat_logger import KvleaseStatLogger
+        from kvlease.exporters.stat_logger import KvleaseStatLogger
 
         return [KvleaseStatLogger]
 
     def engine_started(self) -> None:
         """Only the telemetry engine publishes: later engines find no channel address."""
-        from engine.channel import ADDRESS_ENV
+        from kvlease.engine.channel import ADDRESS_ENV
 
         del os.environ[ADDRESS_ENV]
 
     def request_id(self, turn: Turn) -> str:
-        from exporters.join import InFlight, new_request_id
+        from kvlease.exporters.join import InFlight, new_request_id
 
         rid = new_request_id()
         ctx = TenantContext(turn.tenant_id, turn.tier, session_id=turn.session_id)
@@ -177,7 +177,7 @@ class Telemetry:
     def close(self) -> int:
         """Flush spans and usage records as `kvlease serve` does on exit; the ledger's
         request records (its KV retention records are not requests)."""
-        from exporters.ledger import UsageLedger
+        from kvlease.exporters.ledger import UsageLedger
 
         self._stop.set()
         time.sleep(0.5)  # let the channel deliver the engine's last events

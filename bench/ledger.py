@@ -12,7 +12,7 @@ records and the same database server, in the same run:
   `executemany`; PostgreSQL: `COPY`);
 - month FOCUS export by day (`kvlease usage export`'s code, to a file) against one
   `GROUP BY` (tenant, model, tier, day) over the reference's raw rows;
-- the usage page's month view (`dashboard.data.load_finance`: daily rows, per-tenant
+- the usage page's month view (`kvlease.dashboard.data.load_finance`: daily rows, per-tenant
   totals, the previous period), which has no reference;
 - peak Python heap during the export (tracemalloc, in a second, untimed export: tracing
   slows Python down) and the process's peak RSS;
@@ -42,16 +42,16 @@ from pathlib import Path
 
 from bench import report
 from bench.postgres import postgres_cluster
-from dashboard.usage import load_finance
-from engine.tenancy import TierTable
-from exporters.billing import RAW_COLUMNS, csv_chunks, raw_rows
-from exporters.exports import export_chunks
-from exporters.ledger import COLUMNS, UsageLedger, UsageRecord
-from server import cli
+from kvlease.dashboard.usage import load_finance
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.billing import RAW_COLUMNS, csv_chunks, raw_rows
+from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.ledger import COLUMNS, UsageLedger, UsageRecord
+from kvlease.server import cli
 
 NOV, DEC = 1793491200.0, 1796083200.0  # 2026-11-01 and 2026-12-01, 00:00Z
 TIERS = tuple(TierTable.shipped())
-BATCH = 4096  # exporters.writer.LedgerWriter's largest group commit
+BATCH = 4096  # kvlease.exporters.writer.LedgerWriter's largest group commit
 GOALS = {"ingest_ratio": 0.2, "export_slack_s": 1.0, "export_ratio": 3.0, "page_s": 2.0}
 
 

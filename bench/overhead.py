@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from demo.workload import TIERS
-from engine.tenancy import TierTable
-from replay.synthetic import BLOCK, make_request, make_scheduler, step
+from kvlease.demo.workload import TIERS
+from kvlease.engine.tenancy import TierTable
+from kvlease.replay.synthetic import BLOCK, make_request, make_scheduler, step
 
 SIZES = (64, 256, 1024)
 RESULTS = Path(__file__).parent / "results"
@@ -114,7 +114,7 @@ def time_steps(load: Load, steps: int) -> tuple[float, float]:
 def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dict[str, Any]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from engine.vllm_scheduler import TenantAwareScheduler
+    from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
     # A second stock scheduler, built after kvlease's, measures the noise floor: two
     # identical schedulers in one process differ by their place in memory and in the
@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from demo.model import ensure_demo_model
+    from kvlease.demo.model import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     steps, repeats = (20, 3) if args.quick else (100, args.repeats or 7)

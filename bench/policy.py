@@ -18,7 +18,7 @@ before issue 30), `no-lease-order` (a lease's unreserved blocks are plain LRU ca
 blocks), `no-admission` (a waiting higher tier never preempts running lower-tier work),
 `fifo` (fair share off), `fcfs-service` (`running` served first come, first served, not
 by class), `lru` (the seed's victim rule) and `no-payback` (reservation caps stay at the
-tier table's, engine.payback); and `kvlease-quiet`, kvlease with all
+tier table's, kvlease.engine.payback); and `kvlease-quiet`, kvlease with all
 telemetry off, for the cost of telemetry. Every
 way but `alone` plays the trace `--repeats` times, in an order rotated each round,
 and its wall time is the median (the step figures are the same every time). An
@@ -48,14 +48,14 @@ from typing import Any
 from bench import report
 from bench.inprocess import BLOCK_SIZE, Engine, Observations, Telemetry, start_engine
 from bench.workload import load
-from demo.workload import TIERS, Turn
-from engine.tenancy import TierTable
-from replay.sessions import Arrival, StepTrace
+from kvlease.demo.workload import TIERS, Turn
+from kvlease.engine.tenancy import TierTable
+from kvlease.replay.sessions import Arrival, StepTrace
 
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
 MAX_CONTEXT = 1400  # a session ends before its context passes this (or max_model_len)
 RESULTS = Path(__file__).parent / "results"
-# kvlease with one mechanism changed, and the settings that change it (engine.settings)
+# kvlease with one mechanism changed, and the settings that change it (kvlease.engine.settings)
 ABLATION_SETTINGS: dict[str, dict[str, Any]] = {
     "reserve-never": {"reserve": "never"},  # no reservation: leases protect by order only
     "reserve-lease": {"reserve": "lease"},  # reserved for the whole lease (before issue 30)
@@ -64,7 +64,9 @@ ABLATION_SETTINGS: dict[str, dict[str, Any]] = {
     "fifo": {"fair_share": False},  # FIFO within a tier (before issue 18)
     "fcfs-service": {"class_service": False},  # `running` served first come, first served
     "lru": {"victim_rule": "lru"},  # the seed's victim rule
-    "no-payback": {"reserve_payback": False},  # reservation caps never shrink (engine.payback)
+    "no-payback": {
+        "reserve_payback": False
+    },  # reservation caps never shrink (kvlease.engine.payback)
 }
 ABLATIONS = tuple(ABLATION_SETTINGS)
 
@@ -299,8 +301,8 @@ def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from demo.model import ensure_demo_model
-    from engine.vllm_scheduler import TenantAwareScheduler
+    from kvlease.demo.model import ensure_demo_model
+    from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
     model = args.model or str(ensure_demo_model())
     tiers = TierTable.load()

@@ -31,14 +31,14 @@ from bench import report
 from bench.inprocess import start_engine
 from bench.policy import play
 from bench.workload import SPEC, load
-from demo.workload import generate
-from engine.tenancy import TierTable
-from replay import command, traffic
-from replay.clock import CPU_DEMO, StepCost
-from replay.report import summarize
+from kvlease.demo.workload import generate
+from kvlease.engine.tenancy import TierTable
+from kvlease.replay import command, traffic
+from kvlease.replay.clock import CPU_DEMO, StepCost
+from kvlease.replay.report import summarize
 
 if TYPE_CHECKING:  # vLLM loads only after main() has set its environment
-    from replay.simulate import Served
+    from kvlease.replay.simulate import Served
 
 POOL = 64
 SPS = 10.0
@@ -53,8 +53,8 @@ FIGURES = ("ttft_p50_steps", "ttft_p99_steps", "preemptions", "leased_next_turn_
 
 def _figures(served: list[Served], tiers: TierTable) -> dict[str, dict]:
     """Per tier: TTFT mean in steps, and the report's own TTFT percentiles, preemptions and
-    leased next-turn hit (replay.report, which `kvlease replay` prints)."""
-    from replay.simulate import Replay
+    leased next-turn hit (kvlease.replay.report, which `kvlease replay` prints)."""
+    from kvlease.replay.simulate import Replay
 
     report = summarize(Replay(served, 0, 0, 0.0, 0, {}), tiers)
     out = {}
@@ -67,7 +67,7 @@ def _figures(served: list[Served], tiers: TierTable) -> dict[str, dict]:
 
 def _served(run: Any, tiers: TierTable) -> list[Served]:
     """The real run's requests as the replay records its own."""
-    from replay.simulate import Served
+    from kvlease.replay.simulate import Served
 
     preempted = Counter(rid for rid, *_ in run.observations.preemptions)
     served = []
@@ -80,8 +80,8 @@ def _served(run: Any, tiers: TierTable) -> list[Served]:
 
 
 def fidelity(model: str, quick: bool) -> dict[str, Any]:
-    from engine.vllm_scheduler import TenantAwareScheduler
-    from replay.simulate import simulate
+    from kvlease.engine.vllm_scheduler import TenantAwareScheduler
+    from kvlease.replay.simulate import simulate
 
     turns = load(quick)
     tiers = TierTable.load()
@@ -191,7 +191,7 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from demo.model import ensure_demo_model
+    from kvlease.demo.model import ensure_demo_model
 
     model = str(ensure_demo_model())
     result = {

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from replay.report import percentile
+from kvlease.replay.report import percentile
 
 
 def machine() -> str:

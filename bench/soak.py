@@ -31,8 +31,8 @@ import psutil
 
 from bench import report
 from bench.postgres import free_port
-from demo.client import LoadStats, ask, prompt
-from demo.run import (
+from kvlease.demo.client import LoadStats, ask, prompt
+from kvlease.demo.run import (
     MODEL,
     Demo,
     resolve_model,
@@ -40,10 +40,10 @@ from demo.run import (
     session_token,
     start_server,
 )
-from demo.workload import Turn, WorkloadSpec, tenant_names
-from engine.auth import KeyRing
-from engine.tenancy import TierTable
-from exporters.ledger import UsageLedger
+from kvlease.demo.workload import Turn, WorkloadSpec, tenant_names
+from kvlease.engine.auth import KeyRing
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.ledger import UsageLedger
 
 CLIENTS = 64
 POOL_BLOCKS = 512  # 16k tokens: enough that 64 short chats mostly fit, as a sized server would

@@ -1,10 +1,10 @@
 """The benchmarks' workload: a multi-tenant chat trace as engine requests on a step clock.
 
-The trace is `demo.workload`'s: seeded Poisson sessions of 4 premium, 8
+The trace is `kvlease.demo.workload`'s: seeded Poisson sessions of 4 premium, 8
 standard and 20 free tenants, geometric turns, exponential think time and
 lognormal (heavy-tailed) lengths; or a trace file (timestamp, tenant, session,
 input_tokens, output_tokens[, tier]) such as one converted from BurstGPT or
-Mooncake. `replay.sessions.StepTrace` turns it into token ids and arrival steps
+Mooncake. `kvlease.replay.sessions.StepTrace` turns it into token ids and arrival steps
 for an in-process engine driven through `LLMEngine.add_request` and `step()`
 (its docstring says how turns chain), as `kvlease replay` does offline.
 
@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from demo.workload import Turn, WorkloadSpec, describe, generate, load_trace, save_trace
+from kvlease.demo.workload import Turn, WorkloadSpec, describe, generate, load_trace, save_trace
 
 SPEC = WorkloadSpec(
     tenants=(4, 8, 20),

@@ -1,5 +1,5 @@
-"""kvlease's Streamlit page: layout only. Data comes from dashboard.data, figures from
-dashboard.charts. Started by `kvlease dashboard`, which passes its settings in the
+"""kvlease's Streamlit page: layout only. Data comes from kvlease.dashboard.data, figures from
+kvlease.dashboard.charts. Started by `kvlease dashboard`, which passes its settings in the
 environment (see data.Config)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from datetime import UTC, date, datetime, timedelta
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data, health, usage, whatif
-from engine.budgets import BUDGETS_ENV, BudgetTable
-from engine.tenancy import TierTable
-from exporters import metrics as m
-from exporters import money, statement
-from exporters.billing import GRANULARITIES, parse_window
+from kvlease.dashboard import charts, data, health, usage, whatif
+from kvlease.engine.budgets import BUDGETS_ENV, BudgetTable
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters import metrics as m
+from kvlease.exporters import money, statement
+from kvlease.exporters.billing import GRANULARITIES, parse_window
 
 DEFAULT_ENGINE = "http://127.0.0.1:8000"
 PAGES = {"live": "Live", "usage": "Usage & billing", "whatif": "What if"}

@@ -1,4 +1,4 @@
-"""Plotly figures for the dashboard: pure functions of the DataFrames in dashboard.data.
+"""Plotly figures for the dashboard: pure functions of the DataFrames in kvlease.dashboard.data.
 
 Each builder takes the frame as data.py shapes it and returns a figure; an
 empty frame gives an empty chart that says so, never an error.
@@ -11,9 +11,9 @@ import plotly.express as px
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard.data import STATES
-from engine.tenancy import TierTable
-from exporters.metrics import FAIR_SHARE_ALERT, LEASE_HIT_ALERT
+from kvlease.dashboard.data import STATES
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.metrics import FAIR_SHARE_ALERT, LEASE_HIT_ALERT
 
 PALETTE = ("#6f42c1", "#1f77b4", "#9aa0a6", "#2ca02c", "#ff7f0e", "#8c564b")  # by importance
 TENANT_PALETTE = px.colors.qualitative.Plotly  # one colour a tenant, in name order
@@ -233,7 +233,7 @@ WHAT_IF_COLORS = {"current": "#9aa0a6", "proposed": "#6f42c1"}
 
 
 def what_if_bars(frame: pd.DataFrame, key: str, title: str) -> go.Figure:
-    """One figure of a replay's report (dashboard.whatif.tier_frame), current beside
+    """One figure of a replay's report (kvlease.dashboard.whatif.tier_frame), current beside
     proposed for each tier."""
     if frame.empty or key not in frame or frame[key].isna().all():
         return _empty(title, "No request of any tier has this figure.")

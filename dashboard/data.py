@@ -3,7 +3,7 @@
 Two live sources give the same `Live` picture: one engine's admin API
 (`/admin/state` + `/admin/history`: a single node, exact, the last ten
 minutes kept by the server) or a Prometheus server (a fleet of replicas,
-summed by tenant). Usage and billing figures are in `dashboard.usage`.
+summed by tenant). Usage and billing figures are in `kvlease.dashboard.usage`.
 
 Fetching (`EngineSource`, `PrometheusSource`) is separate from shaping
 (`live_from_engine`, `live_from_prometheus`), which
@@ -25,10 +25,10 @@ from typing import Any
 import httpx
 import pandas as pd
 
-from engine.events import NO_CAUSE
-from exporters import metrics as m
-from exporters.ledger import DB_ENV
-from exporters.metrics import BLOCK_STATES as STATES
+from kvlease.engine.events import NO_CAUSE
+from kvlease.exporters import metrics as m
+from kvlease.exporters.ledger import DB_ENV
+from kvlease.exporters.metrics import BLOCK_STATES as STATES
 
 OTHER = "other"
 RECENT_SECONDS = 300  # "in the last 5 minutes" in the tenant table

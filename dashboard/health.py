@@ -17,8 +17,8 @@ from typing import Any
 
 import pandas as pd
 
-from dashboard import data
-from exporters import metrics as m
+from kvlease.dashboard import data
+from kvlease.exporters import metrics as m
 
 POOL_FULL = 0.95  # KvleasePoolNearlyFull's level
 

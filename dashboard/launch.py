@@ -2,7 +2,7 @@
 environment (data.Config), so a token never shows in a process list.
 
 How it stops: SIGTERM or SIGINT to `kvlease dashboard` is passed to Streamlit, which
-ends its sessions (and, through `dashboard.whatif`'s exit handler, every What if replay
+ends its sessions (and, through `kvlease.dashboard.whatif`'s exit handler, every What if replay
 and its folder); past STOP_SECONDS it is killed. The exit status is Streamlit's (128 +
 the signal's number when a signal ended it). Streamlit is also told to stop if this
 process dies first (Linux's parent-death signal), so it never outlives it; What if
@@ -19,8 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
-from dashboard import data, whatif
-from engine.runtime import check_dependencies
+from kvlease.dashboard import data, whatif
+from kvlease.engine.runtime import check_dependencies
 
 APP = Path(__file__).with_name("app.py")
 LOCAL_ADDRESSES = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -57,7 +57,7 @@ def environment(
     token: str | None,
     refresh_seconds: float = 2.0,
 ) -> dict[str, str]:
-    from exporters.ledger import DB_ENV, default_url
+    from kvlease.exporters.ledger import DB_ENV, default_url
 
     env = dict(os.environ)
     env[data.ENGINE_ENV] = engine or ""

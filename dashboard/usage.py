@@ -1,9 +1,9 @@
 """The usage page's figures, from the ledger's rollups, for finance.
 
-Every figure here is read from the hourly rollups (`exporters.rollups`) and priced
-with the export's own `exporters.billing.cost`, so a tenant's cost on the page is the
+Every figure here is read from the hourly rollups (`kvlease.exporters.rollups`) and priced
+with the export's own `kvlease.exporters.billing.cost`, so a tenant's cost on the page is the
 exact sum of its FOCUS rows' costs (shown in the currency's minor unit, as its statement
-total is: `exporters.money`), and a month of millions of records is a query over
+total is: `kvlease.exporters.money`), and a month of millions of records is a query over
 thousands of rollups, not a read of every record.
 
 Fetching (`load_finance`, `load_statement`, `export_csv`, `load_requests`,
@@ -24,21 +24,21 @@ from typing import Any
 import httpx
 import pandas as pd
 
-from dashboard.data import SourceError
-from engine.budgets import ALERT_RATIO
-from engine.labels import OTHER as OTHER_TENANT
-from engine.tenancy import TierTable
-from exporters import metrics as m
-from exporters import money
-from exporters.billing import (
+from kvlease.dashboard.data import SourceError
+from kvlease.engine.budgets import ALERT_RATIO
+from kvlease.engine.labels import OTHER as OTHER_TENANT
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters import metrics as m
+from kvlease.exporters import money
+from kvlease.exporters.billing import (
     MICROS_PER_HOUR,
     Charges,
     charge_groups,
     period,
 )
-from exporters.exports import export_chunks
-from exporters.rollups import DAY, Rollup
-from exporters.statement import Statement, statement
+from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.rollups import DAY, Rollup
+from kvlease.exporters.statement import Statement, statement
 
 COUNTS = (
     "requests",
@@ -78,14 +78,14 @@ class Finance:
 
 
 def _ledger(url: str):
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     return UsageLedger(url, create=False)
 
 
 def _readable(action):
     """Run `action`, turning every ledger failure into one banner sentence."""
-    from exporters.ledger import one_line
+    from kvlease.exporters.ledger import one_line
 
     try:
         return action()
@@ -264,7 +264,7 @@ def tenant_table(
     tenants: pd.DataFrame, currency: str, budgets: pd.DataFrame | None = None
 ) -> pd.DataFrame:
     """`Finance.tenants` for the page: tenant and cost first, money in the minor unit
-    (`exporters.money`), `-` for a figure that does not exist (no change without a
+    (`kvlease.exporters.money`), `-` for a figure that does not exist (no change without a
     period before, no budget), counts left numeric for the table to sort and separate."""
     out = tenants.assign(
         cost=[money.shown(c, currency) for c in tenants["cost"]],

@@ -39,8 +39,8 @@ from typing import Any
 
 import pandas as pd
 
-from dashboard.data import WHATIF_DIR_ENV
-from exporters.ledger import DB_ENV
+from kvlease.dashboard.data import WHATIF_DIR_ENV
+from kvlease.exporters.ledger import DB_ENV
 
 MAX_INPUT_BYTES = 256 * 2**20
 ORPHAN_SECONDS = 30.0  # a job its page has not polled for this long is stopped
@@ -150,7 +150,7 @@ class ReplayJob:
     def start(self, argv: list[str], usage_db: str | None = None) -> ReplayJob:
         """The ledger's URL goes in the child's environment, never on its command line. The
         child's progress bar and table go to the job's log."""
-        command = [sys.executable, "-m", "server.cli", "replay", *argv]
+        command = [sys.executable, "-m", "kvlease", "replay", *argv]
         command += ["--json", str(self.report_path), "-o", str(self.html_path)]
         env = {**os.environ, **({DB_ENV: usage_db} if usage_db else {})}
         with self.log_path.open("wb") as log:
@@ -302,7 +302,7 @@ def _is_replay(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"replay" in cmdline and b"server.cli" in cmdline
+    return b"replay" in cmdline and b"kvlease" in cmdline
 
 
 def replay_argv(

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import openai
 
-from demo.workload import TIERS, Turn
+from kvlease.demo.workload import TIERS, Turn
 
 VOCABULARY = (
     "cache block lease tenant prefix engine token stream reply session tier premium "

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.paths import kvlease_home
+from kvlease.engine.paths import kvlease_home
 
 BUILD_ID = "demo-llama-v1"
 SEED = 1234

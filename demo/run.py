@@ -29,13 +29,13 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from demo.client import LoadStats, play
-from demo.prometheus import write_config
-from demo.workload import TIERS, WorkloadSpec, stream_sessions, tenant_names
-from engine.auth import HS256_KEY_ENV, KeyRing, mint_token
-from engine.paths import kvlease_home
-from engine.tenancy import TierTable
-from exporters.metrics import PREEMPTIONS, TOKENS
+from kvlease.demo.client import LoadStats, play
+from kvlease.demo.prometheus import write_config
+from kvlease.demo.workload import TIERS, WorkloadSpec, stream_sessions, tenant_names
+from kvlease.engine.auth import HS256_KEY_ENV, KeyRing, mint_token
+from kvlease.engine.paths import kvlease_home
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.metrics import PREEMPTIONS, TOKENS
 
 MODEL = "kvlease-demo"
 BLOCK_TOKENS = 32  # kvlease serve's block size for the demo model
@@ -206,7 +206,7 @@ def resolve_model(model: str | None) -> str:
     """`model` if given, else the demo model, built on first use."""
     if model is not None:
         return model
-    from demo.model import default_model_dir, ensure_demo_model
+    from kvlease.demo.model import default_model_dir, ensure_demo_model
 
     if not (default_model_dir() / ".complete").exists():
         _say(f"building the demo model in {default_model_dir()} (once, about 10 s) ...")
@@ -223,7 +223,7 @@ def start_server(
 ) -> bool:
     """`kvlease serve` in its own process group, its ledger in the run folder; False (and
     the end of its log on stderr) if it exits before /health answers."""
-    argv = [sys.executable, "-m", "server.cli", "serve", "--model", model]
+    argv = [sys.executable, "-m", "kvlease", "serve", "--model", model]
     argv += ["--num-blocks", str(num_blocks), "--port", str(demo.port)]
     # The pool's size in tokens is what the demo's pressure rests on: never vLLM's
     # default block size (128 on CPU), which would make it four times larger.
@@ -271,7 +271,7 @@ def _start_prometheus(demo: Demo, port: int, env: dict[str, str]) -> str | None:
 def _start_dashboard(
     demo: Demo, port: int, prom_url: str | None, token: str, env: dict[str, str]
 ) -> str:
-    from dashboard.launch import command, environment
+    from kvlease.dashboard.launch import command, environment
 
     dash_env = {**env, **environment(demo.url, prom_url, f"sqlite:///{demo.ledger}", token)}
     demo.spawn("dashboard", command(port), dash_env)
@@ -435,9 +435,9 @@ def _preemptions(text: str) -> Counter[str]:
 def _summary(
     demo: Demo, spec, tiers: TierTable, stats: LoadStats | None, metrics: str, since: float
 ) -> None:
-    from exporters import money
-    from exporters.billing import record_cost
-    from exporters.ledger import RETENTION, UsageLedger
+    from kvlease.exporters import money
+    from kvlease.exporters.billing import record_cost
+    from kvlease.exporters.ledger import RETENTION, UsageLedger
 
     tier_of = dict(tenant_names(spec))
     preempted = _preemptions(metrics) if metrics else Counter()

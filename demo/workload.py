@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.tenancy import TierTable
+from kvlease.engine.tenancy import TierTable
 
 # The shipped tier table's tiers, most important first: the demo trace's three classes.
 TIERS = tuple(TierTable.shipped())

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.events import TenantHolding
+from kvlease.engine.events import TenantHolding
 
 Tenant = str | None  # None: unclassified requests
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import jwt
 
-from engine.labels import OTHER, UNCLASSIFIED
-from engine.tenancy import MAX_WEIGHT, MIN_WEIGHT, TenantContext, TierTable, valid_weight
+from kvlease.engine.labels import OTHER, UNCLASSIFIED
+from kvlease.engine.tenancy import MAX_WEIGHT, MIN_WEIGHT, TenantContext, TierTable, valid_weight
 
 HS256_KEY_ENV = "KVLEASE_JWT_SECRET"  # the variable's name; the key lives only there
 KEYS_ENV = "KVLEASE_JWT_KEYS"

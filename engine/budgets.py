@@ -12,7 +12,7 @@ A small TOML file beside the tier table (`KVLEASE_BUDGETS`, or `kvlease serve
 A budget covers a UTC calendar month. At `ALERT_RATIO` of it the gauge
 `vllm_tenant_budget_used_ratio` fires the `KvleaseBudgetNearlySpent` alert. Spend is
 what the usage ledger bills (the same cost as the FOCUS export), read from its rollups
-away from the request path (`exporters.spend`), so a request costs one dictionary
+away from the request path (`kvlease.exporters.spend`), so a request costs one dictionary
 lookup. Standard library only.
 
 Requests in flight are held against the budget: an admitted request holds `estimate`,

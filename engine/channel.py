@@ -9,7 +9,7 @@ ZeroMQ PUSH/PULL sockets over ipc (pyzmq is already a vLLM dependency):
   `kvlease serve` chooses a fresh base address per run and exports it before the
   engine starts, so every EngineCore and API process inherits it.
 - Each scheduler (one per data-parallel rank) connects one PUSH socket to every API
-  process and sends each `engine.events.Message` (msgspec JSON, tagged with its rank)
+  process and sends each `kvlease.engine.events.Message` (msgspec JSON, tagged with its rank)
   to all of them: its events, and every `sample_seconds` an `EngineState` snapshot
   with cumulative totals. So every API process holds the picture of every rank; the
   events of a request also name the API process that owns it (`api_server`), and only
@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import zmq
 
-from engine.events import Message, decode, encode
+from kvlease.engine.events import Message, decode, encode
 
 ADDRESS_ENV = "KVLEASE_CHANNEL"
 SEND_QUEUE = 10_000  # messages queued in ZeroMQ before sends report "full"

@@ -4,10 +4,10 @@ and the bounded buffer events go through.
 The scheduler runs inside vLLM's engine loop, so it never blocks on a
 consumer: events go into a fixed-size buffer, and when consumers fall behind
 the newest events are dropped and counted. Exact totals never depend on
-events: `engine.accounting` keeps cumulative counters, sent in every snapshot.
+events: `kvlease.engine.accounting` keeps cumulative counters, sent in every snapshot.
 
 Events and snapshots cross from the EngineCore process to the API process
-(`engine.channel`) as msgspec Structs: the same classes encode on one side and
+(`kvlease.engine.channel`) as msgspec Structs: the same classes encode on one side and
 decode on the other, so a field renamed on one side is a decode error at the
 boundary, not a silent `KeyError` (or a silent zero) in some reader.
 """
@@ -82,7 +82,7 @@ class RequestDone(msgspec.Struct, frozen=True, tag=True):
 
 
 class Retention(msgspec.Struct, frozen=True, tag=True):
-    """A leased session's blocks between two turns (engine.retention): the ledger's
+    """A leased session's blocks between two turns (kvlease.engine.retention): the ledger's
     "KV retention" record, written by the API process that owned the turn's request."""
 
     at: float  # when the episode closed (next turn, lease end), monotonic clock
@@ -140,16 +140,16 @@ class Totals(msgspec.Struct):
     block_seconds: list[tuple[str, float]]
     offloaded_blocks: list[tuple[str, int]]
     lease_reuse_tokens: list[tuple[str, str, int]] = []  # tier, "reused" or "lost"
-    # tenant, tier, weighted tokens served and entitled while backlogged (engine.fairness)
+    # tenant, tier, weighted tokens served and entitled while backlogged (kvlease.engine.fairness)
     fair_share_tokens: list[tuple[str, str, float, float]] = []
     # tenant, tier, "reserved" or "retained": block-seconds held between turns
     retention_block_seconds: list[tuple[str, str, str, float]] = []
 
 
 class FairShareRow(msgspec.Struct):
-    """One tenant's place in its tier's fair share (engine.fairness), at a snapshot."""
+    """One tenant's place in its tier's fair share (kvlease.engine.fairness), at a snapshot."""
 
-    tenant_id: str  # a label (engine.labels)
+    tenant_id: str  # a label (kvlease.engine.labels)
     tier: str
     counter: float  # virtual token counter: weighted service / weight
     ratio: float | None  # served / entitled since the last snapshot, while it waited

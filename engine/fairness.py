@@ -14,7 +14,7 @@ generated token `OUTPUT_COST` (decoding holds the engine for a step a token).
 Tokens recomputed after a preemption are service too: the engine did the work.
 
 Plain Python, no vLLM: the scheduler adapter charges service and the waiting
-queue (`engine.waiting_queue.FairBucket`) asks `FairShare` whom to admit.
+queue (`kvlease.engine.waiting_queue.FairBucket`) asks `FairShare` whom to admit.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ tiers, least important first):
 
 A cached block freed by a session whose lease is running goes to the back of its
 tier's RESERVED segment while the session's reservation window runs
-(engine.reservations), else to the back of its tier's RETAINED segment; either way
+(kvlease.engine.reservations), else to the back of its tier's RETAINED segment; either way
 it is evicted only after every EMPTY and CACHED block. When the window closes,
 `retain` moves the session's blocks from RESERVED to RETAINED. A lease protects the
 session's latest context only: when the session's last request in flight frees its
@@ -21,7 +21,7 @@ blocks, the session's leased blocks that request did not reuse are demoted first
 tier's RESERVED segment holds at most its cap: at the cap, the tier's oldest reserved
 block moves to the back of its RETAINED segment, so the sessions that were active
 last, the likeliest to send a next turn, keep their reservation. The cap starts at the
-tier table's and moves below it with what the reservations return (engine.payback reads
+tier table's and moves below it with what the reservations return (kvlease.engine.payback reads
 `reserved_left` and `reserved_reused`, and sets it with `set_caps`). When a lease
 expires its blocks move to the front of CACHED: they are the stalest prefixes.
 With no owner set, every append lands in CACHED and the queue behaves exactly
@@ -46,7 +46,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.policy import EvictionClass, eviction_class
+from kvlease.engine.policy import EvictionClass, eviction_class
 
 Block = Any  # vllm.v1.core.kv_cache_utils.KVCacheBlock
 

@@ -1,6 +1,6 @@
 """Payback: each leasing tier's reservation cap, kept only as large as it pays for.
 
-A reservation (engine.reservations) keeps a leased session's blocks from lower tiers
+A reservation (kvlease.engine.reservations) keeps a leased session's blocks from lower tiers
 for its window. What it buys: every reserved block a next turn of the session reuses
 saves `block_size` tokens of prefill. What it costs: every step in which a lower tier's
 allocation is refused although the pool held the blocks (they were reserved) defers

@@ -1,6 +1,6 @@
 """The preemption and eviction policy, as plain functions over plain data.
 
-Nothing here imports vLLM: the scheduler adapter (`engine.vllm_scheduler`)
+Nothing here imports vLLM: the scheduler adapter (`kvlease.engine.vllm_scheduler`)
 turns vLLM requests into `Candidate`s and asks this module what to do, so the
 rules are testable in milliseconds and readable in one sitting.
 
@@ -10,7 +10,7 @@ Victim order among running requests (first = preempted first):
   2. non-leased before leased,
   3. lower tier first (larger priority number),
   4. within a tier: the tenant furthest above its fair share first (the largest
-     virtual token counter, engine.fairness), then `least_work` (fewest computed
+     virtual token counter, kvlease.engine.fairness), then `least_work` (fewest computed
      tokens first: cheapest to recompute, the default) or `lru` (oldest activity
      first, the seed's rule),
   5. ties: the later admission first (vLLM's own LIFO choice).
@@ -19,7 +19,7 @@ Service order is not victim order: `running` is served in `service_key` order
 (class, then admission: FCFS within a class) and the victim is chosen apart.
 
 Leases protect by eviction order; while a session's reservation window runs
-(engine.reservations) its blocks are moreover reserved (`may_take`, `leases_yield`,
+(kvlease.engine.reservations) its blocks are moreover reserved (`may_take`, `leases_yield`,
 `lease_caps_error`): a block reserved by tier T goes only to a request of tier T or a
 more important one, unless the engine would otherwise sit idle; each tier's reserved
 blocks stay under its cap, and the caps leave room for one `max_model_len` request.
@@ -253,7 +253,7 @@ class EvictionClass(enum.IntEnum):
     EMPTY blocks hold no reusable prefix. CACHED blocks hold a prefix nobody
     protects (plain LRU). RETAINED and RESERVED blocks hold the prefix of a tenant
     session whose lease is running; they go only after every EMPTY and CACHED block.
-    RESERVED ones, while the session's reservation window runs (engine.reservations),
+    RESERVED ones, while the session's reservation window runs (kvlease.engine.reservations),
     are moreover kept from lower tiers; RETAINED ones any request may take.
     """
 

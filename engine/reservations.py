@@ -1,11 +1,11 @@
 """Reservations: how long a leased session's blocks are kept from lower tiers.
 
-A lease (engine.leases) is the contract: for `lease_seconds` after a session's last
+A lease (kvlease.engine.leases) is the contract: for `lease_seconds` after a session's last
 turn its cached prefix is evicted last. That costs nothing while blocks are free. A
 *reservation* is stronger and costs the engine throughput: while it runs, lower tiers
 may not take the blocks at all (they wait, or are preempted). So a reservation lasts
 only while the session is likely to come back soon; after it the blocks are protected
-by eviction order alone (the RETAINED segments of engine.free_queue).
+by eviction order alone (the RETAINED segments of kvlease.engine.free_queue).
 
 The rule, per tier (`reserve` in the tier table):
   never   no reservation: leases protect by eviction order only.
@@ -27,7 +27,7 @@ The rule, per tier (`reserve` in the tier table):
           not for the 300 s of its lease.
 
 The window never outlives the lease, and the caps bound what is reserved at once
-(engine.policy.lease_caps_error), so a request that fits the unreserved pool never
+(kvlease.engine.policy.lease_caps_error), so a request that fits the unreserved pool never
 waits for a reservation. Plain Python; nothing here imports vLLM.
 
 Costs: `turn_ended` and `turn_started` O(1); `window` O(GAPS log GAPS) (a sort of at most

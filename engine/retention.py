@@ -12,7 +12,7 @@ are metered here, per retention episode:
 
 Between samples the holder's block counts are integrated from the episode's last
 integration time, with the counts at the integration (right Riemann, as
-engine.accounting does; a count change inside an interval is billed from the interval's
+kvlease.engine.accounting does; a count change inside an interval is billed from the interval's
 start, so the error is at most `sample_seconds` per change). The scheduler integrates
 at each occupancy sample and at the exact moments it changes a segment itself: the
 end of a reservation window (before `retain`) and of a lease (before `release`).
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from engine.events import Retention
-from engine.free_queue import Holder
+from kvlease.engine.events import Retention
+from kvlease.engine.free_queue import Holder
 
 STATES = ("reserved", "retained")  # the two prices of the KV retention SKU
 

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.policy import VictimRule
-from engine.reservations import ReserveMode, reserve_mode
-from engine.tenancy import TIERS_ENV, TierTable
+from kvlease.engine.policy import VictimRule
+from kvlease.engine.reservations import ReserveMode, reserve_mode
+from kvlease.engine.tenancy import TIERS_ENV, TierTable
 
 KEYS = {
     "tiers": TIERS_ENV,

@@ -20,8 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engine.policy import leased_cap_blocks, unreserved_blocks
-from engine.reservations import ReservePolicy, reserve_mode
+from kvlease.engine.policy import leased_cap_blocks, unreserved_blocks
+from kvlease.engine.reservations import ReservePolicy, reserve_mode
 
 TIERS_ENV = "KVLEASE_TIERS"
 
@@ -113,10 +113,10 @@ class Tier:
     leased_cache_cap: float
     prices: Prices
     max_concurrent_requests: int | None = None  # per tenant; None: unlimited
-    weight: float = 1.0  # a tenant's fair-share weight within the tier (engine.fairness)
+    weight: float = 1.0  # a tenant's fair-share weight within the tier (kvlease.engine.fairness)
     max_weight: float = 1.0  # the most a token's `weight` claim may ask for
     max_tenant_kv_share: float = 1.0  # fraction of the pool one tenant may hold (1: no cap)
-    reservation: ReservePolicy = field(default_factory=ReservePolicy)  # engine.reservations
+    reservation: ReservePolicy = field(default_factory=ReservePolicy)  # kvlease.engine.reservations
 
     def tenant_weight(self, claimed: Any) -> float:
         """A request's weight: its token's claim, bounded by the table, else the default.
@@ -207,7 +207,7 @@ class TierTable(Mapping[str, Tier]):
     @classmethod
     def shipped(cls) -> TierTable:
         """The default table shipped as engine/tiers.toml."""
-        default = resources.files("engine").joinpath("tiers.toml")
+        default = resources.files("kvlease.engine").joinpath("tiers.toml")
         return cls.from_toml(default.read_text(encoding="utf-8"), source="<shipped default>")
 
     @classmethod

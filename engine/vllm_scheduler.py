@@ -1,18 +1,17 @@
 """kvlease inside vLLM 0.32's V1 scheduler: the scheduler adapter.
 
-One of the three modules that import vLLM (besides the version check in
-`engine.runtime`): this one, the launcher `server.serve` and the stat-logger
-plugin `exporters.stat_logger`. The policy it applies lives in plain Python
-(`engine.policy`, `engine.leases`, `engine.free_queue`, `engine.waiting_queue`).
+One of the modules that import vLLM (the README's architecture lists them;
+tests/test_layers.py keeps the list true). The policy it applies lives in plain Python
+(`policy`, `leases`, `free_queue`, `waiting_queue` in `kvlease.engine`).
 
-Load it with `scheduler_cls="engine.vllm_scheduler.TenantAwareScheduler"`; where
+Load it with `scheduler_cls="kvlease.engine.vllm_scheduler.TenantAwareScheduler"`; where
 vLLM schedules asynchronously that builds `TenantAwareAsyncScheduler`. It overrides
 as little of vLLM as it can and copies none of `schedule()`:
 
-- `running` is served in `engine.policy.service_key` order: class, then admission
+- `running` is served in `kvlease.engine.policy.service_key` order: class, then admission
   (FCFS within a class, as vLLM appends). vLLM's FCFS preemption takes
   `running[-1]`, so it always takes from the lowest class; when an allocation fails,
-  the adapter first moves that class's cheapest victim (`engine.policy.keep_key`)
+  the adapter first moves that class's cheapest victim (`kvlease.engine.policy.keep_key`)
   to the end. Service order is never re-sorted for victims.
 - `waiting` is a `TenantWaitingQueue`: tier order, then vLLM's own queue per tier
   (FCFS, or priority under `--scheduling-policy priority`).
@@ -23,10 +22,10 @@ as little of vLLM as it can and copies none of `schedule()`:
 - The block pool's free queue becomes a `TenantFreeBlockQueue`: leased prefixes
   are evicted last, and while a request allocates, the prefixes more important
   tiers reserve are hidden from it (unless nothing else runs). A session's
-  prefix is reserved after a turn only for its window (`engine.reservations`,
+  prefix is reserved after a turn only for its window (`kvlease.engine.reservations`,
   decided in `_end_turn`), then retained until its lease ends. Each tier's
   reservation cap shrinks while it turns away more work than its reuse saves
-  (`engine.payback`: refusals counted in `_allocate_leasing`, caps set in `schedule`).
+  (`kvlease.engine.payback`: refusals counted in `_allocate_leasing`, caps set in `schedule`).
 - `_preempt_request`, `_free_request`, `_free_request_blocks` and the deferred
   frees are wrapped to record events, leases and accounting.
 """
@@ -45,7 +44,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.runtime import require_vllm
+from kvlease.engine.runtime import require_vllm
 
 require_vllm()  # a clear error before any vLLM internals are touched
 
@@ -58,9 +57,9 @@ from vllm.v1.core.sched.request_queue import (  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from engine.accounting import TenantAccounting  # noqa: E402
-from engine.channel import Publisher  # noqa: E402
-from engine.events import (  # noqa: E402
+from kvlease.engine.accounting import TenantAccounting  # noqa: E402
+from kvlease.engine.channel import Publisher  # noqa: E402
+from kvlease.engine.events import (  # noqa: E402
     NO_CAUSE,
     EngineState,
     EventBuffer,
@@ -75,12 +74,12 @@ from engine.events import (  # noqa: E402
     TenantHolding,
     Totals,
 )
-from engine.fairness import INPUT_COST, OUTPUT_COST, Account, FairShare  # noqa: E402
-from engine.free_queue import Holder, TenantFreeBlockQueue  # noqa: E402
-from engine.labels import UNCLASSIFIED, TenantLabels  # noqa: E402
-from engine.leases import LeaseBook  # noqa: E402
-from engine.payback import PaybackTuner  # noqa: E402
-from engine.policy import (  # noqa: E402
+from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST, Account, FairShare  # noqa: E402
+from kvlease.engine.free_queue import Holder, TenantFreeBlockQueue  # noqa: E402
+from kvlease.engine.labels import UNCLASSIFIED, TenantLabels  # noqa: E402
+from kvlease.engine.leases import LeaseBook  # noqa: E402
+from kvlease.engine.payback import PaybackTuner  # noqa: E402
+from kvlease.engine.policy import (  # noqa: E402
     Candidate,
     CostModel,
     admission_victims,
@@ -93,10 +92,10 @@ from engine.policy import (  # noqa: E402
     tenant_cap_error,
     within_class_key,
 )
-from engine.reservations import ReturnModel  # noqa: E402
-from engine.retention import RetentionMeter  # noqa: E402
-from engine.settings import SchedulerSettings, SettingsError  # noqa: E402
-from engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
+from kvlease.engine.reservations import ReturnModel  # noqa: E402
+from kvlease.engine.retention import RetentionMeter  # noqa: E402
+from kvlease.engine.settings import SchedulerSettings, SettingsError  # noqa: E402
+from kvlease.engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
 
 logger = logging.getLogger("kvlease.scheduler")
 RUNNING = RequestStatus.RUNNING
@@ -112,12 +111,12 @@ class Tenancy:
     tenant_id: str | None
     tier: str | None
     session_id: str | None
-    rank: tuple[int, int, int]  # engine.policy.protection_rank
+    rank: tuple[int, int, int]  # kvlease.engine.policy.protection_rank
     bucket: int  # waiting-queue rank: tier order, unclassified last
     seq: int
     holder: Holder | None
     reserve_from: int  # leasing tiers whose reservations it may take (free queue `reserve`)
-    key: tuple  # engine.policy.service_key, renewed at each admission into `running`
+    key: tuple  # kvlease.engine.policy.service_key, renewed at each admission into `running`
     lease_covered: int = 0  # prefix tokens of its session's last context a lease was keeping
     lease_cached: int = -1  # its prefix-cache hit when first scheduled (-1: not yet)
     recomputed_tokens: int = 0
@@ -147,7 +146,7 @@ _ONE_CLASS = (0, 0, 0)  # every request's service class with class-ordered servi
 
 
 class _RunningList(list):
-    """vLLM's `running`, in `engine.policy.service_key` order (class, then admission).
+    """vLLM's `running`, in `kvlease.engine.policy.service_key` order (class, then admission).
 
     `append` is vLLM's admission of a waiting request: the scheduler gives it its key,
     and it goes behind every request of its class. That is O(1) when its class is the
@@ -209,13 +208,13 @@ class TenantSchedulingMixin:
       still reads -> their Holder. `_awaiting_hit`: leased next turns not yet scheduled
       (their prefix-cache hit is read when they are). Each O(requests concerned).
     - `returns`: turns, returns and think times by session (forgotten with its lease),
-      tenant label and tier (engine.reservations). `_windows`: a heap of reservation
+      tenant label and tier (kvlease.engine.reservations). `_windows`: a heap of reservation
       ends (until, seq, session); an entry whose holder has since renewed its window
       (`reserved_until` differs) is skipped. O(log n) per turn.
     - `_payback`: each leasing tier's reservation cap and what its reservation has
-      returned and cost (engine.payback); O(tiers) a step.
+      returned and cost (kvlease.engine.payback); O(tiers) a step.
     - `retention`: the open time-between-turns of each leased session, metered into
-      reserved and retained block-seconds (engine.retention); O(open episodes) a sample.
+      reserved and retained block-seconds (kvlease.engine.retention); O(open episodes) a sample.
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`).
     Per step the mixin adds O(1) work plus one wrapper call per allocation; the admission
@@ -254,7 +253,7 @@ class TenantSchedulingMixin:
 
         # vLLM's policy stays: each tenant's waiting requests are in its order, and under
         # PRIORITY vLLM picks its own victims by (priority, arrival) as stock does.
-        # Within a tier, tenants take turns by fair share (engine.fairness).
+        # Within a tier, tenants take turns by fair share (kvlease.engine.fairness).
         self._shares = {name: FairShare() for name in tiers}
         usable_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
         self._kv_caps = tiers.tenant_kv_caps(usable_blocks)  # blocks one tenant may hold
@@ -762,7 +761,7 @@ class TenantSchedulingMixin:
 
         Stock vLLM never preempts to admit a waiting request (vLLM issue #40004). Only the
         blocks the head lacks after its prefix-cache hit are reclaimed, from the lowest
-        classes first and the least work first within one (`engine.policy.admission_victims`).
+        classes first and the least work first within one (`policy.admission_victims`).
         Returns the victims, which are kept out of the waiting queue for this step.
         """
         if not self.waiting or not self.running or not self.settings.admission_preemption:
@@ -998,7 +997,7 @@ class TenantSchedulingMixin:
 
     def _end_turn(self, t: Tenancy, request: Request) -> None:
         """The session's last request in flight ends: how long are its blocks reserved?
-        (engine.reservations; the window never outlives the lease)."""
+        (kvlease.engine.reservations; the window never outlives the lease)."""
         holder, tier = t.holder, self.settings.tiers[t.tier]
         assert holder is not None and t.tenant_id is not None
         now = self.clock()

@@ -1,7 +1,7 @@
 """The waiting queue: tier order first, then vLLM's own order within a tier.
 
 It implements vLLM's `RequestQueue` interface (registered as a virtual
-subclass in `engine.vllm_scheduler`) without importing vLLM. Each tier has
+subclass in `kvlease.engine.vllm_scheduler`) without importing vLLM. Each tier has
 its own queue, built by the factory the scheduler passes: vLLM's FCFS queue,
 or its priority queue under `--scheduling-policy priority`, so requests that
 carry no tenant fields are ordered exactly as vLLM would order them. A request
@@ -49,7 +49,7 @@ class FairBucket:
     before any new admission while its prefix may still be cached (admitting new work
     ahead of it only makes more preemptions). New requests wait in their tenant's queue,
     and `peek_request`/`pop_request` take the head of the backlogged tenant with the
-    smallest virtual token counter (`engine.fairness.FairShare`), leaving out tenants that
+    smallest virtual token counter (`kvlease.engine.fairness.FairShare`), leaving out tenants that
     `skip(account, its head request)` refuses (at its KV cap); within a tenant, vLLM's
     own order (the queue `make_queue` builds).
     Invariants: `_queues[tenant]` holds exactly that tenant's new waiting requests, and a

@@ -7,10 +7,10 @@ One FOCUS row per (tenant, model, charge period). Costs are exact decimals:
 priced by the tier each record was served in (the last two are the "KV retention" SKU:
 a leased session's blocks between its turns, from the ledger's retention records; its
 rows appear only where there was retention), and summed from the ledger's rollups
-(`exporters.rollups`). Only integers are summed (tokens, KV block-microseconds) and
+(`kvlease.exporters.rollups`). Only integers are summed (tokens, KV block-microseconds) and
 each row divides once, so an export is the same byte for byte whether it was summed
 from rollups or from every record. Each row's cost is then written at 10 decimal places
-and token quantities as integers (`exporters.money`, the one rounding rule).
+and token quantities as integers (`kvlease.exporters.money`, the one rounding rule).
 Recomputed tokens (work a preemption
 threw away) are reported in `x_RecomputedTokens` and never billed; what leasing
 bought is in `x_LeaseCoveredTokens` (prefix tokens a running lease was keeping at
@@ -37,10 +37,10 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_EVEN, Context, Decimal, localcontext
 
-from engine.tenancy import Prices, TierTable
-from exporters import money
-from exporters.ledger import UsageLedger, UsageRecord, rollup_of
-from exporters.rollups import DAY, HOUR, Rollup
+from kvlease.engine.tenancy import Prices, TierTable
+from kvlease.exporters import money
+from kvlease.exporters.ledger import UsageLedger, UsageRecord, rollup_of
+from kvlease.exporters.rollups import DAY, HOUR, Rollup
 
 GRANULARITIES = ("hour", "day", "month")
 ACCOUNT_ID_ENV = "KVLEASE_BILLING_ACCOUNT_ID"

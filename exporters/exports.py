@@ -1,20 +1,20 @@
 """The usage export files, one function for every way out: `kvlease usage export`,
 `/admin/usage.csv` and the dashboard's downloads all write these bytes.
 
-- `focus`: FinOps FOCUS 1.2 rows from the rollups (`exporters.billing`);
+- `focus`: FinOps FOCUS 1.2 rows from the rollups (`kvlease.exporters.billing`);
 - `raw`: one row per ledger record, re-importable with `kvlease usage import`;
-- `summary`: one row per tenant, its statement's total (`exporters.statement`).
+- `summary`: one row per tenant, its statement's total (`kvlease.exporters.statement`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.tenancy import TierTable
-from exporters.billing import RAW_COLUMNS, csv_chunks, focus_csv, raw_rows, usage
-from exporters.ledger import UsageLedger
-from exporters.rollups import DAY
-from exporters.statement import summary_chunks
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.billing import RAW_COLUMNS, csv_chunks, focus_csv, raw_rows, usage
+from kvlease.exporters.ledger import UsageLedger
+from kvlease.exporters.rollups import DAY
+from kvlease.exporters.statement import summary_chunks
 
 FORMATS = ("focus", "raw", "summary")
 

@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from engine.accounting import LEASE_OUTCOMES
-from engine.events import NO_CAUSE, EngineState, Eviction, LeaseEvent, Preemption
-from engine.retention import STATES as RETENTION_STATES
-from exporters.ranks import merge_states
+from kvlease.engine.accounting import LEASE_OUTCOMES
+from kvlease.engine.events import NO_CAUSE, EngineState, Eviction, LeaseEvent, Preemption
+from kvlease.engine.retention import STATES as RETENTION_STATES
+from kvlease.exporters.ranks import merge_states
 
 Label = Callable[[str | None], str]
 LEASE_KINDS = ("start", "expire")  # kept on the timeline; "renew" is every leased turn

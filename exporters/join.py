@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.events import LeaseEvent, Preemption, RequestDone
-from engine.tenancy import TenantContext
+from kvlease.engine.events import LeaseEvent, Preemption, RequestDone
+from kvlease.engine.tenancy import TenantContext
 
 logger = logging.getLogger("kvlease.join")
 
@@ -87,7 +87,7 @@ class InFlight:
     traceparent: str | None = None
     model: str | None = None
     engine_requests: int | None = 1  # engine requests it becomes; None: known at its end
-    streamed_tokens: int = 0  # output streamed so far (exporters.open_records journals it)
+    streamed_tokens: int = 0  # output streamed so far (kvlease.exporters.open_records journals it)
 
 
 @dataclass

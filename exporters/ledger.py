@@ -1,7 +1,7 @@
 """The usage ledger: one durable record per finished request, for billing.
 
 Beside them, one record per *retention episode*: a leased session's cached blocks
-between two of its turns (engine.retention), outcome `retention`, keyed
+between two of its turns (kvlease.engine.retention), outcome `retention`, keyed
 `<request id>:retention` by the request whose end opened it, with no tokens and its
 reserved and retained block-seconds; billed as the "KV retention" SKU.
 
@@ -9,7 +9,7 @@ SQLAlchemy Core over SQLite (WAL; the embedded default) or PostgreSQL (one
 ledger for many replicas: the same code, a `postgresql://` URL). The request
 id is the primary key and the idempotency key: writing a record twice, or
 replaying records after a crash, changes nothing. Beside the records it keeps
-their hourly sums (`exporters.rollups`) in the same transaction, which exports,
+their hourly sums (`kvlease.exporters.rollups`) in the same transaction, which exports,
 the usage page and budgets read; the records stay the source of truth
 (`rebuild_rollups`), and `prune` drops old ones while keeping their sums. The
 schema is versioned; `migrate()` applies what a database lacks, in order, in one
@@ -43,9 +43,9 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
-from engine.paths import kvlease_home, private_file
-from exporters import rollups
-from exporters.rollups import HOUR, Rollup, block_us, hour_of
+from kvlease.engine.paths import kvlease_home, private_file
+from kvlease.exporters import rollups
+from kvlease.exporters.rollups import HOUR, Rollup, block_us, hour_of
 
 DB_ENV = "KVLEASE_USAGE_DB"
 
@@ -69,7 +69,7 @@ class UsageRecord:
     kv_block_seconds: float
     outcome: str
     partial: bool = False  # delivered before every half arrived: figures may be low
-    price_basis: str | None = None  # the tier's prices when written (engine.tenancy.Prices)
+    price_basis: str | None = None  # the tier's prices when written (kvlease.engine.tenancy.Prices)
     lease_covered_tokens: int = 0  # prefix tokens its session's running lease was to keep
     kv_reserved_block_seconds: float = 0.0  # retention records: blocks kept from lower tiers
     kv_retained_block_seconds: float = 0.0  # retention records: blocks evicted last
@@ -140,7 +140,7 @@ MIGRATIONS: dict[int, Sequence[str] | Callable[[str], Sequence[str]]] = {
     ),
     6: (
         # Requests still streaming, refreshed by their server every few seconds
-        # (exporters.open_records): what a crash would otherwise leave unbilled.
+        # (kvlease.exporters.open_records): what a crash would otherwise leave unbilled.
         "CREATE TABLE IF NOT EXISTS usage_open ("
         " request_id VARCHAR(200) PRIMARY KEY, tenant_id VARCHAR(128) NOT NULL,"
         " tier VARCHAR(32), session_id VARCHAR(128), model VARCHAR(200) NOT NULL,"
@@ -247,7 +247,7 @@ def redact(url: str) -> str:
 
 class UsageLedger:
     """A ledger database. Thread-safe (SQLAlchemy pools connections); writes are
-    batched by the caller (`exporters.writer`).
+    batched by the caller (`kvlease.exporters.writer`).
 
     `create=False` is for readers (exports, the dashboard): a ledger that does not exist
     is a `LedgerError`, never an empty database made where a typo pointed. Every failure

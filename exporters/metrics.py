@@ -3,11 +3,11 @@
 They join vLLM's own on the server's `/metrics` (vLLM's families are named
 `vllm:...`, kvlease's `vllm_tenant_...`). Engine-side numbers (blocks,
 leases, preemptions, evictions, block-seconds, recomputed tokens) are the
-scheduler's cumulative totals from its latest snapshot (`engine.channel`),
+scheduler's cumulative totals from its latest snapshot (`kvlease.engine.channel`),
 so they are exact, whatever happens to individual events. Per-request numbers
 (tokens, outcomes, latencies) come from vLLM's own `FinishedRequestStats`
-through the stat-logger plugin (`exporters.stat_logger`), so they equal vLLM's own
-counters. Tenant labels are bounded by `engine.labels.TenantLabels`.
+through the stat-logger plugin (`kvlease.exporters.stat_logger`), so they equal vLLM's own
+counters. Tenant labels are bounded by `kvlease.engine.labels.TenantLabels`.
 
 Dashboards, alert rules and the Streamlit page take these names from here
 (`Family.name`, `Family.series`): no other file types a metric name.
@@ -28,15 +28,15 @@ from prometheus_client.core import (
     Metric,
 )
 
-from engine.accounting import LEASE_OUTCOMES as LEASE_OUTCOMES  # LEASE_REUSE outcomes
-from engine.budgets import ALERT_RATIO
-from engine.events import EngineState, RequestDone, TenantHolding
-from engine.labels import UNCLASSIFIED, TenantLabels
-from engine.retention import STATES as RETENTION_STATES
-from engine.tenancy import TierTable
-from exporters.join import finish_outcome
-from exporters.ranks import merge_states
-from exporters.view import EngineView
+from kvlease.engine.accounting import LEASE_OUTCOMES as LEASE_OUTCOMES  # LEASE_REUSE outcomes
+from kvlease.engine.budgets import ALERT_RATIO
+from kvlease.engine.events import EngineState, RequestDone, TenantHolding
+from kvlease.engine.labels import UNCLASSIFIED, TenantLabels
+from kvlease.engine.retention import STATES as RETENTION_STATES
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.join import finish_outcome
+from kvlease.exporters.ranks import merge_states
+from kvlease.exporters.view import EngineView
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's; vLLM sets it
 

@@ -27,9 +27,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
-from engine.tenancy import TierTable
-from exporters.join import InFlight
-from exporters.ledger import OpenRecord, UsageLedger, one_line
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.join import InFlight
+from kvlease.exporters.ledger import OpenRecord, UsageLedger, one_line
 
 INTERVAL_ENV = "KVLEASE_OPEN_RECORD_SECONDS"
 STALE_TICKS = 6

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.events import EngineState, LeaseSummary, TenantHolding, Totals
+from kvlease.engine.events import EngineState, LeaseSummary, TenantHolding, Totals
 
 
 def _sum_rows(rows: Iterable[tuple], values: int = 1) -> list[tuple]:

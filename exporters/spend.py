@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from engine.budgets import BudgetConfigError, BudgetTable, Verdict
-from engine.tenancy import TierTable
-from exporters.billing import cost, period
-from exporters.ledger import UsageLedger, one_line
-from exporters.rollups import DAY
+from kvlease.engine.budgets import BudgetConfigError, BudgetTable, Verdict
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.billing import cost, period
+from kvlease.exporters.ledger import UsageLedger, one_line
+from kvlease.exporters.rollups import DAY
 
 logger = logging.getLogger("kvlease.budgets")
 

@@ -1,11 +1,11 @@
 """The stat-logger plugin (`vllm.stat_logger_plugins`: kvlease_stats): a vLLM adapter.
 
-One of the three modules that import vLLM (with `engine.vllm_scheduler` and
-`server.serve`). vLLM calls `record()` in the API process after each engine
-step with `FinishedRequestStats` for the requests that just finished: prompt,
+One of the modules that import vLLM (the README's architecture lists them;
+tests/test_layers.py keeps the list true). vLLM calls `record()` in the API process
+after each engine step with `FinishedRequestStats` for the requests that just finished: prompt,
 cached and generated tokens, latencies. kvlease attributes each to the tenant
 the middleware verified for that request id, and feeds the metrics and the
-request join behind spans and the usage ledger (`exporters.telemetry`).
+request join behind spans and the usage ledger (`kvlease.exporters.telemetry`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from exporters.telemetry import TELEMETRY
+from kvlease.exporters.telemetry import TELEMETRY
 
 
 class KvleaseStatLogger(StatLoggerBase):

@@ -3,7 +3,7 @@
 A line per priced item: (SKU, model, tier, unit price), its quantity, unit price and
 amount. Lines are summed over the period from the same charge groups the FOCUS export
 by month writes (`billing.charge_groups`), so a line's exact cost is the sum of its
-FOCUS rows' exact costs. Amounts follow `exporters.money`: each line and the total in
+FOCUS rows' exact costs. Amounts follow `kvlease.exporters.money`: each line and the total in
 the currency's minor unit, and a rounding line where the rounded lines do not add up
 to the rounded total.
 
@@ -24,9 +24,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
-from exporters import money
-from exporters.billing import MICROS_PER_HOUR, SKUS, Account, charge_groups, csv_chunks, stamp
-from exporters.rollups import Rollup
+from kvlease.exporters import money
+from kvlease.exporters.billing import (
+    MICROS_PER_HOUR,
+    SKUS,
+    Account,
+    charge_groups,
+    csv_chunks,
+    stamp,
+)
+from kvlease.exporters.rollups import Rollup
 
 # How each SKU's quantity reads on a statement: (unit, divisor of its whole units, places).
 # Tokens are counted whole and priced per 1K; KV time is counted in block-microseconds and

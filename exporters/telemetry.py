@@ -27,17 +27,17 @@ from typing import Any
 
 from prometheus_client.core import REGISTRY
 
-from engine.budgets import BUDGETS_ENV
-from engine.labels import TenantLabels
-from engine.tenancy import TierTable
-from exporters import tracing
-from exporters.join import RequestJoin
-from exporters.ledger import DB_ENV, UsageLedger
-from exporters.metrics import TenantMetrics
-from exporters.open_records import OpenRecords
-from exporters.spend import SpendTracker
-from exporters.view import EngineView
-from exporters.writer import LedgerWriter
+from kvlease.engine.budgets import BUDGETS_ENV
+from kvlease.engine.labels import TenantLabels
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters import tracing
+from kvlease.exporters.join import RequestJoin
+from kvlease.exporters.ledger import DB_ENV, UsageLedger
+from kvlease.exporters.metrics import TenantMetrics
+from kvlease.exporters.open_records import OpenRecords
+from kvlease.exporters.spend import SpendTracker
+from kvlease.exporters.view import EngineView
+from kvlease.exporters.writer import LedgerWriter
 
 logger = logging.getLogger("kvlease.telemetry")
 

@@ -5,7 +5,7 @@ out through the standard OTLP exporter settings (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_PROTOCOL` =
 `http/protobuf` (default) or `grpc`, headers, timeouts, `OTEL_SERVICE_NAME`).
 
-Spans are built from `exporters.join.FinishedRequest`s: vLLM's stats
+Spans are built from `kvlease.exporters.join.FinishedRequest`s: vLLM's stats
 joined with the scheduler's events by request id. The parent is the
 request's incoming `traceparent` header, when it had one. Tokens and keys
 never become attributes.
@@ -20,8 +20,8 @@ from typing import Any
 from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine.events import LeaseEvent, Preemption
-from exporters.join import FINISH_REASONS, FinishedRequest, RequestJoin
+from kvlease.engine.events import LeaseEvent, Preemption
+from kvlease.exporters.join import FINISH_REASONS, FinishedRequest, RequestJoin
 
 ENABLE_ENV = "KVLEASE_OTEL"
 OPERATIONS = {

@@ -20,10 +20,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from datetime import datetime
 
-from engine.tenancy import Prices
-from exporters.billing import FORMULA_STARTS, RAW_COLUMNS
-from exporters.join import OUTCOMES
-from exporters.ledger import RETENTION, UsageRecord, causes_text
+from kvlease.engine.tenancy import Prices
+from kvlease.exporters.billing import FORMULA_STARTS, RAW_COLUMNS
+from kvlease.exporters.join import OUTCOMES
+from kvlease.exporters.ledger import RETENTION, UsageRecord, causes_text
 
 LIMITS = {"request_id": 200, "tenant_id": 128, "tier": 32, "session_id": 128, "model": 200}
 COUNTS = tuple(f.name for f in fields(UsageRecord) if f.type == "int")  # token figures...

@@ -1,6 +1,6 @@
 """The API process's view of the engines: the latest snapshot of each, plus listeners.
 
-The channel's receiver thread applies each `engine.events.Message` from an
+The channel's receiver thread applies each `kvlease.engine.events.Message` from an
 EngineCore (one per data-parallel rank); routes read `engines()` (each rank),
 `state_json()` (the whole, every rank summed, and each rank) and `history`,
 and the request join registers a listener that sees every event of the
@@ -19,11 +19,11 @@ from typing import Any
 
 import msgspec
 
-from engine.channel import ADDRESS_ENV, Receiver, address_for
-from engine.events import EngineState, Event, Message
-from engine.labels import TenantLabels
-from exporters.history import History
-from exporters.ranks import merge_states
+from kvlease.engine.channel import ADDRESS_ENV, Receiver, address_for
+from kvlease.engine.events import EngineState, Event, Message
+from kvlease.engine.labels import TenantLabels
+from kvlease.exporters.history import History
+from kvlease.exporters.ranks import merge_states
 
 Listener = Callable[[Event], None]
 _API_PROCESS = re.compile(r"ApiServer_(\d+)")

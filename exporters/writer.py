@@ -1,7 +1,7 @@
 """The API process's ledger writer: one usage record per finished request, group-committed.
 
 It also writes the retention records (a leased session's blocks between two turns) the
-engine reports for requests this process owned (`engine.events.Retention`).
+engine reports for requests this process owned (`kvlease.engine.events.Retention`).
 
 A `RequestJoin` consumer turns each finished request into a `UsageRecord`
 and queues it; a writer thread commits queues in batches (group commit: one
@@ -28,12 +28,12 @@ from pathlib import Path
 
 from sqlalchemy.exc import DataError, IntegrityError
 
-from engine.events import Retention
-from engine.labels import UNCLASSIFIED
-from engine.paths import kvlease_home, private_file
-from engine.tenancy import TierTable
-from exporters.join import FinishedRequest, kvlease_id
-from exporters.ledger import (
+from kvlease.engine.events import Retention
+from kvlease.engine.labels import UNCLASSIFIED
+from kvlease.engine.paths import kvlease_home, private_file
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.join import FinishedRequest, kvlease_id
+from kvlease.exporters.ledger import (
     RETENTION,
     OpenRecord,
     UsageLedger,
@@ -41,7 +41,7 @@ from exporters.ledger import (
     causes_text,
     retention_key,
 )
-from exporters.metrics import ProcessMetrics
+from kvlease.exporters.metrics import ProcessMetrics
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
 DEAD_LETTER_FILE = "ledger-dead-letters.jsonl"  # under KVLEASE_HOME
@@ -140,7 +140,7 @@ class LedgerWriter:
         self._queue.put(to_record(finished, self.tiers))
 
     def engine_event(self, event: object) -> None:
-        """An engine listener (exporters.view): queue the retention records."""
+        """An engine listener (kvlease.exporters.view): queue the retention records."""
         if isinstance(event, Retention):
             self._queue.put(retention_record(event, self.tiers))
 
@@ -162,7 +162,7 @@ class LedgerWriter:
             self._committed_early.discard(request_id)
 
     def journal(self, rows: list[OpenRecord]) -> None:
-        """Queue the open records of streams in flight (exporters.open_records): written by
+        """Queue the open records of streams in flight (kvlease.exporters.open_records): written by
         this thread too, so they never wait on SQLite's write lock behind the records."""
         if rows:
             self._queue.put(rows)

@@ -38,10 +38,10 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
-from engine.settings import KEYS
-from engine.tenancy import TierTable
-from exporters import metrics as m
-from exporters.writer import DEAD_LETTER_FILE, WAIT_ENV
+from kvlease.engine.settings import KEYS
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters import metrics as m
+from kvlease.exporters.writer import DEAD_LETTER_FILE, WAIT_ENV
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_DIR = HERE / "dashboards"

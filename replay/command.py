@@ -3,8 +3,8 @@
 "current" is the traffic as recorded, under the tier table in force (or the one
 `--against` names) on the current pool; "proposed" is the same traffic with
 `--assign`'s tenants moved, under `--tiers` on `--pool-blocks` (or `--kv-gib`).
-Each side is a `replay.simulate` run in its own process, so the two use both
-cores; their figures (`replay.report.summarize`) come back to this process,
+Each side is a `kvlease.replay.simulate` run in its own process, so the two use both
+cores; their figures (`kvlease.replay.report.summarize`) come back to this process,
 which reports them.
 """
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from demo.workload import Turn
-from engine.tenancy import TierTable
-from replay.clock import CPU_DEMO, StepCost
-from replay.traffic import ReplayInputError
+from kvlease.demo.workload import Turn
+from kvlease.engine.tenancy import TierTable
+from kvlease.replay.clock import CPU_DEMO, StepCost
+from kvlease.replay.traffic import ReplayInputError
 
 DEMO_POOL_BLOCKS = 64  # the demo engine's pool (demo/run.py)
 BLOCK = 32  # vLLM's block size on the CPU build, as kvlease serve runs it
@@ -55,14 +55,14 @@ class Plan:
 
 def plan(args: argparse.Namespace) -> Plan:
     """Read and check every input; ReplayInputError names the first bad one."""
-    from replay import pool, traffic
+    from kvlease.replay import pool, traffic
 
     notes: list[str] = []
     window = None
     if args.trace:
         turns = traffic.from_trace(Path(args.trace))
     else:
-        from exporters.billing import parse_window
+        from kvlease.exporters.billing import parse_window
 
         window = parse_window(args.start, args.end)
         turns, unclassified = traffic.from_ledger(args.usage_db, window)
@@ -111,7 +111,7 @@ def plan(args: argparse.Namespace) -> Plan:
 
 
 def _tiers(path: str | None, flag: str) -> TierTable:
-    from engine.tenancy import TierConfigError
+    from kvlease.engine.tenancy import TierConfigError
 
     try:
         return TierTable.load(path)
@@ -121,7 +121,7 @@ def _tiers(path: str | None, flag: str) -> TierTable:
 
 def run(plan: Plan, jobs: int = 2, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Both sides (in `jobs` processes), and the report: the JSON `--json` writes."""
-    from replay.report import movers
+    from kvlease.replay.report import movers
 
     spawn = multiprocessing.get_context("spawn")  # vLLM's rule: never fork after it loads
     done = spawn.Value("q", 0)
@@ -169,7 +169,7 @@ def _count(n: int) -> None:
 
 def _side(side: Side, plan: Plan) -> dict[str, Any]:
     """One side, in a worker process: replay it, and summarize what it saw."""
-    from engine.runtime import prepare_environment, require_vllm
+    from kvlease.engine.runtime import prepare_environment, require_vllm
 
     prepare_environment()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a replay never downloads
@@ -177,9 +177,9 @@ def _side(side: Side, plan: Plan) -> dict[str, Any]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     require_vllm()
-    from demo.model import ensure_demo_model
-    from replay.report import summarize
-    from replay.simulate import simulate
+    from kvlease.demo.model import ensure_demo_model
+    from kvlease.replay.report import summarize
+    from kvlease.replay.simulate import simulate
 
     model = plan.model or str(ensure_demo_model())
     tiers = TierTable.load(side.tiers_path)

@@ -1,7 +1,7 @@
 """A replay's report for people: a terminal table, and a self-contained HTML page.
 
 Both read the JSON that `kvlease replay --json` writes, and the HTML page draws
-the same figures as the dashboard's "What if" view (dashboard.charts).
+the same figures as the dashboard's "What if" view (kvlease.dashboard.charts).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from dashboard import charts, whatif
+from kvlease.dashboard import charts, whatif
 
 TOP_TENANTS = 10
 

@@ -1,9 +1,9 @@
 """A replay's figures, per tier and per tenant, and what moves between two tables.
 
-`summarize` turns a `replay.simulate.Replay` into the JSON-ready figures that
+`summarize` turns a `kvlease.replay.simulate.Replay` into the JSON-ready figures that
 `kvlease replay --json` writes (the README's "What-if replay" has the schema);
 `movers` ranks the tenants whose TTFT p99 or cost moves most. Costs are billed
-as `kvlease usage export` bills them (exporters.billing.cost) at the prices of
+as `kvlease usage export` bills them (kvlease.exporters.billing.cost) at the prices of
 the table each side ran under.
 """
 
@@ -14,12 +14,12 @@ from collections.abc import Iterable, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from engine.tenancy import TierTable
-from exporters.billing import cost as billed
-from exporters.rollups import Rollup, block_us
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.billing import cost as billed
+from kvlease.exporters.rollups import Rollup, block_us
 
 if TYPE_CHECKING:  # the report reads a replay; it needs no engine to do so
-    from replay.simulate import Replay, Served
+    from kvlease.replay.simulate import Replay, Served
 
 MOVERS = 10
 
@@ -123,7 +123,7 @@ def _cost(served: Iterable[Served], tiers: TierTable) -> Decimal:
 
 def _fair_share(books: dict[tuple[str, str], list[float]], by: int) -> dict[str, float]:
     """Per tenant (`by` 0) or tier (1): service received over service entitled while it
-    waited (1.0: each backlogged tenant got its weighted share; engine.fairness). The
+    waited (1.0: each backlogged tenant got its weighted share; kvlease.engine.fairness). The
     books are the engine's, keyed by (tenant label, tier)."""
     served: dict[str, float] = defaultdict(float)
     entitled: dict[str, float] = defaultdict(float)

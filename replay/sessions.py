@@ -19,7 +19,7 @@ import heapq
 import random
 from dataclasses import dataclass
 
-from demo.workload import Turn
+from kvlease.demo.workload import Turn
 
 
 @dataclass(slots=True)

@@ -1,8 +1,8 @@
 """One replay: a trace's turns through the real vLLM scheduler and kvlease's, offline.
 
-The engine is `replay.synthetic`'s: vLLM's own `Scheduler` with kvlease's
+The engine is `kvlease.replay.synthetic`'s: vLLM's own `Scheduler` with kvlease's
 mixin, as `kvlease serve` builds it, fed a synthetic model output each step.
-Time is a step clock (`replay.clock.StepCost`): each step advances it by what
+Time is a step clock (`kvlease.replay.clock.StepCost`): each step advances it by what
 such a step costs. kvlease's lease clock, block-seconds and the arrivals follow
 it, and an idle engine jumps to the next arrival.
 
@@ -23,12 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from demo.workload import Turn
-from engine.events import RequestDone, Retention
-from engine.tenancy import TierTable
-from replay.clock import StepCost
-from replay.sessions import Arrival, StepTrace
-from replay.synthetic import BLOCK, counting_stock_scheduler, make_request, make_scheduler, step
+from kvlease.demo.workload import Turn
+from kvlease.engine.events import RequestDone, Retention
+from kvlease.engine.tenancy import TierTable
+from kvlease.replay.clock import StepCost
+from kvlease.replay.sessions import Arrival, StepTrace
+from kvlease.replay.synthetic import (
+    BLOCK,
+    counting_stock_scheduler,
+    make_request,
+    make_scheduler,
+    step,
+)
 
 MAX_STRIDE = 1024
 MAX_CONTEXT = 1400  # as bench/policy.py: a session ends before its context passes this
@@ -118,10 +124,10 @@ def simulate(
     stock: str | None = None,
 ) -> Replay:
     """Replay `turns` under `tiers` (the table at `tiers_path`, or the one in force) on a
-    pool of `pool_blocks` KV blocks, with kvlease `settings` (engine.settings keys), or on
+    pool of `pool_blocks` KV blocks, with kvlease `settings` (kvlease.engine.settings keys), or on
     stock vLLM (`stock`: "fcfs" or "priority"); `progress` is called with each batch of
     finished requests' count."""
-    from engine.vllm_scheduler import TenantAwareScheduler
+    from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
     kvlease = {**({"tiers": tiers_path} if tiers_path else {}), **(settings or {})}
     scheduler = make_scheduler(

@@ -1,8 +1,8 @@
 """A vLLM scheduler driven without a model: real Scheduler code, synthetic outputs.
 
-The offline engine of `kvlease replay`, and the fourth of kvlease's modules that
-import vLLM (tests/test_layers.py names them all). Also used by tests to drive
-both scheduler classes (sync and async) in milliseconds and to check invariants
+The offline engine of `kvlease replay`, one of the modules that import vLLM (the
+README's architecture lists them; tests/test_layers.py keeps the list true). Also used by
+tests to drive both scheduler classes (sync and async) in milliseconds and to check invariants
 at every step, and by bench/overhead.py to time `schedule()` against stock.
 Each sampled token is token id 7.
 """
@@ -24,7 +24,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from engine.tenancy import TierTable
+from kvlease.engine.tenancy import TierTable
 
 BLOCK = 32
 _ids = itertools.count()
@@ -114,7 +114,7 @@ def step(scheduler: Any, out: Any = None, stride: int = 1) -> Any:
 
     A stride above one stands for that many decode steps in one call: each request's
     tokens are computed together at its next scheduling, as speculative decoding's
-    accepted tokens are. The caller keeps it exact (`replay.simulate`)."""
+    accepted tokens are. The caller keeps it exact (`kvlease.replay.simulate`)."""
     out = scheduler.schedule() if out is None else out
     req_ids = list(out.num_scheduled_tokens)
     sampled = []

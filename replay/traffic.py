@@ -1,10 +1,10 @@
 """The traffic a replay plays: a ledger's records for a window, or a trace CSV, as turns.
 
-Both become `demo.workload.Turn`s, the trace format bench/ reads. From the
+Both become `kvlease.demo.workload.Turn`s, the trace format bench/ reads. From the
 ledger, a session's turns are its records in start order; a turn's new user
 tokens are its prompt less the previous turn's prompt and reply (a chat resends
 its context), and its time after the previous turn is the user's think time
-(start minus the previous end). So `replay.sessions.StepTrace` rebuilds the
+(start minus the previous end). So `kvlease.replay.sessions.StepTrace` rebuilds the
 shared prefixes and the closed loop the live engine saw.
 
 Every bad input raises `ReplayInputError` with one line that names it.
@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from demo.workload import Turn, load_trace
-from engine.tenancy import TierTable
+from kvlease.demo.workload import Turn, load_trace
+from kvlease.engine.tenancy import TierTable
 
 
 class ReplayInputError(ValueError):
@@ -41,7 +41,7 @@ def from_trace(path: Path) -> list[Turn]:
 def from_ledger(url: str | None, window: tuple[float, float]) -> tuple[list[Turn], int]:
     """The turns of the records that ended in `window`, and how many records were left
     out because they carry no tier (unclassified traffic has no place in a tier table)."""
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     records = list(UsageLedger(url, create=False).read(*window))
     classified = [r for r in records if r.tier]
@@ -111,6 +111,6 @@ def check_tiers(turns: list[Turn], tiers: TierTable, which: str) -> None:
 
 
 def _day(epoch: float) -> str:
-    from exporters.billing import stamp
+    from kvlease.exporters.billing import stamp
 
     return stamp(epoch)

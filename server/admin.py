@@ -19,13 +19,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
-from engine.auth import AuthError, require_role
-from engine.tenancy import TierTable
-from exporters.billing import UnpricedRecord, focus_rows, parse_window, usage
-from exporters.exports import export_chunks
-from exporters.ledger import LedgerError, one_line
-from exporters.telemetry import TELEMETRY
-from server.middleware import STATE_KEY, error_payload
+from kvlease.engine.auth import AuthError, require_role
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.billing import UnpricedRecord, focus_rows, parse_window, usage
+from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.ledger import LedgerError, one_line
+from kvlease.exporters.telemetry import TELEMETRY
+from kvlease.server.middleware import STATE_KEY, error_payload
 
 logger = logging.getLogger("kvlease.admin")
 

@@ -10,10 +10,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from engine.auth import AuthSettings, KeyConfigError, KeyRing, mint_token
-from engine.runtime import DependencyError, VllmVersionError
-from engine.tenancy import TierConfigError, TierTable
-from replay.command import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+from kvlease.engine.auth import AuthSettings, KeyConfigError, KeyRing, mint_token
+from kvlease.engine.runtime import DependencyError, VllmVersionError
+from kvlease.engine.tenancy import TierConfigError, TierTable
+from kvlease.replay.command import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -228,7 +228,7 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _stamp(epoch: float) -> str:
-    from exporters.billing import stamp
+    from kvlease.exporters.billing import stamp
 
     return stamp(epoch)
 
@@ -236,7 +236,7 @@ def _stamp(epoch: float) -> str:
 def _usage(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from exporters.ledger import one_line
+    from kvlease.exporters.ledger import one_line
 
     commands = {
         "export": _usage_export,
@@ -251,9 +251,9 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    from exporters.billing import month_window, parse_window
-    from exporters.exports import export_chunks
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.billing import month_window, parse_window
+    from kvlease.exporters.exports import export_chunks
+    from kvlease.exporters.ledger import UsageLedger
 
     tiers = TierTable.load(args.tiers)
     if args.month and args.end:
@@ -292,8 +292,8 @@ IMPORT_BATCH = 20_000  # records a transaction: the import's rate, bounded memor
 def _usage_import(args: argparse.Namespace) -> int:
     import io
 
-    from exporters.ledger import UsageLedger
-    from exporters.usage_import import BadRow, read_records
+    from kvlease.exporters.ledger import UsageLedger
+    from kvlease.exporters.usage_import import BadRow, read_records
 
     try:
         raw = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")  # noqa: SIM115
@@ -322,8 +322,8 @@ def _usage_import(args: argparse.Namespace) -> int:
 
 
 def _usage_prune(args: argparse.Namespace) -> int:
-    from exporters.billing import parse_time
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.billing import parse_time
+    from kvlease.exporters.ledger import UsageLedger
 
     before = parse_time(args.before)
     deleted = UsageLedger(args.usage_db, create=False).prune(before)
@@ -332,7 +332,7 @@ def _usage_prune(args: argparse.Namespace) -> int:
 
 
 def _usage_rebuild(args: argparse.Namespace) -> int:
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     ledger = UsageLedger(args.usage_db, create=False)
     rollups = ledger.rebuild_rollups()
@@ -343,7 +343,7 @@ def _usage_rebuild(args: argparse.Namespace) -> int:
 def _grafana_build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from grafana.build import DASHBOARD_DIR, RUNBOOK, build
+    from kvlease.grafana.build import DASHBOARD_DIR, RUNBOOK, build
 
     out = Path(args.out) if args.out else DASHBOARD_DIR
     for path in build(out, TierTable.load(args.tiers), args.runbook or RUNBOOK):
@@ -355,7 +355,7 @@ def _replay(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from replay import command, render
+    from kvlease.replay import command, render
 
     plan = command.plan(args)
     total = sum(len(side.turns) for side in plan.sides)
@@ -390,7 +390,7 @@ def _replay(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # every flag kvlease does not own goes to vLLM's parser
-        from server.serve import run_serve
+        from kvlease.server.serve import run_serve
 
         return run_serve(argv[1:])
     args = _build_parser().parse_args(argv)
@@ -404,10 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "replay":
             return _replay(args)
         if args.command == "dashboard":
-            from dashboard.launch import run_dashboard
+            from kvlease.dashboard.launch import run_dashboard
 
             return run_dashboard(args)
-        from demo.run import run_demo
+        from kvlease.demo.run import run_demo
 
         return run_demo(
             duration=args.duration,

@@ -1,7 +1,7 @@
 """TenantMiddleware: the front door of vLLM's OpenAI server (pure ASGI).
 
 It runs before any vLLM route. For every non-public request it verifies the
-Bearer JWT (`engine.auth`), and for a JSON POST it rewrites the body so the
+Bearer JWT (`kvlease.engine.auth`), and for a JSON POST it rewrites the body so the
 engine sees only server-chosen tenant fields:
 
 - `vllm_xargs` = {tenant_id, tier, session_id} from the verified token,
@@ -13,7 +13,7 @@ dropping whatever the client sent in those fields, and the `X-Request-Id` and
 `X-Vllm-Priority` headers vLLM would otherwise honour. Errors never raise
 (an exception in middleware is a 500): they are answered here, in OpenAI's
 error shape. Use it with `kvlease serve`, or alone on a plain vLLM server:
-`--middleware server.middleware.TenantMiddleware`.
+`--middleware kvlease.server.middleware.TenantMiddleware`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 from pydantic import TypeAdapter, ValidationError
 
-from engine.affinity import RANK_HEADER, session_rank
-from engine.auth import (
+from kvlease.engine.affinity import RANK_HEADER, session_rank
+from kvlease.engine.auth import (
     ID_RULE,
     KEYS_ENV,
     Authenticator,
@@ -48,16 +48,16 @@ from engine.auth import (
     KeyRing,
     valid_id,
 )
-from engine.budgets import Verdict, estimate
-from engine.labels import TenantLabels
-from engine.tenancy import TenantContext, TierTable
-from exporters.billing import period
-from exporters.join import InFlight, new_request_id
-from exporters.ledger import records
-from exporters.metrics import multiprocess
-from exporters.spend import Hold
-from exporters.telemetry import TELEMETRY
-from exporters.writer import wait_seconds
+from kvlease.engine.budgets import Verdict, estimate
+from kvlease.engine.labels import TenantLabels
+from kvlease.engine.tenancy import TenantContext, TierTable
+from kvlease.exporters.billing import period
+from kvlease.exporters.join import InFlight, new_request_id
+from kvlease.exporters.ledger import records
+from kvlease.exporters.metrics import multiprocess
+from kvlease.exporters.spend import Hold
+from kvlease.exporters.telemetry import TELEMETRY
+from kvlease.exporters.writer import wait_seconds
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -124,11 +124,11 @@ ENGINE_FREE_PATHS = frozenset(
 # Tenant routes whose request models have no `vllm_xargs`: their engine requests would run
 # unclassified and unbilled, so kvlease does not serve them to tenants.
 REFUSED_PATHS = frozenset({"/v1/systemone"})
-# kvlease chooses the request id, the priority and the rank (engine.affinity), not clients.
+# kvlease chooses the request id, the priority and the rank (kvlease.engine.affinity), not clients.
 DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority", RANK_HEADER})
 SESSION_HEADER = b"x-session-id"
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
-# Set when the server begins its SIGTERM drain (`kvlease serve` sets it, server.serve):
+# Set when the server begins its SIGTERM drain (`kvlease serve` sets it, kvlease.server.serve):
 # requests arriving then get 503 instead of reaching a half-stopped vLLM.
 DRAINING = threading.Event()
 
@@ -271,7 +271,7 @@ def engine_requests(path: str, doc: dict[str, Any]) -> int | None:
     conversation each on /v1/chat/completions/batch; /v1/responses may loop through
     sub-requests (tools). A malformed field counts as 1: vLLM refuses the body before any
     engine request. The join also waits for the response's end, so a count that comes
-    out low never cuts a record short (exporters.join)."""
+    out low never cuts a record short (kvlease.exporters.join)."""
     if path == RESPONSES_PATH:
         return None
     params = doc.get("sampling_params") if path == "/inference/v1/generate" else doc
@@ -609,7 +609,7 @@ class TenantMiddleware:
     async def _hold(
         self, send: Send, doc: dict, size: int, choices: int, ctx: TenantContext
     ) -> Hold | None:
-        """Hold the request's estimated cost (engine.budgets.estimate) against the
+        """Hold the request's estimated cost (kvlease.engine.budgets.estimate) against the
         tenant's budget; None after a 429 when a `block` budget cannot take it."""
         prices = self.config.tiers[ctx.tier].prices
         amount = estimate(size, doc, choices, prices.input_per_1k, prices.output_per_1k)
@@ -708,7 +708,7 @@ class _Response:
             return
         else:  # a body chunk
             if self.streaming:
-                # What a crash would leave unbilled, journaled by exporters.open_records.
+                # What a crash would leave unbilled, journaled by kvlease.exporters.open_records.
                 self.entry.streamed_tokens += streamed_tokens(message.get("body", b""))
             if not message.get("more_body", False):
                 if self.engine:

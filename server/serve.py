@@ -1,16 +1,15 @@
 """`kvlease serve`: vLLM's own OpenAI server, with kvlease's pieces configured.
 
-The launcher: one of the three modules that import vLLM (with the scheduler
-adapter `engine.vllm_scheduler` and the stat-logger plugin
-`exporters.stat_logger`).
+The launcher: one of the modules that import vLLM (the README's architecture lists
+them; tests/test_layers.py keeps the list true).
 
 It validates kvlease's configuration first (a bad key or tier file is a
 one-line error, exit 2), then runs vLLM's launcher functions (`setup_server`,
 `build_async_engine_client`, `build_and_serve`) with:
 
-- `--scheduler-cls engine.vllm_scheduler.TenantAwareScheduler` (which becomes
+- `--scheduler-cls kvlease.engine.vllm_scheduler.TenantAwareScheduler` (which becomes
   the async variant where vLLM schedules asynchronously),
-- `--middleware server.middleware.TenantMiddleware`,
+- `--middleware kvlease.server.middleware.TenantMiddleware`,
 - the `kvlease_admin` endpoint plugin allow-listed in `VLLM_PLUGINS`,
 - a fresh engine->API channel address in `KVLEASE_CHANNEL`,
 - `--enable-prompt-tokens-details` (cached tokens in usage) and a drain
@@ -39,21 +38,21 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from engine.auth import KEYS_ENV
-from engine.budgets import BUDGETS_ENV, BudgetConfigError, BudgetTable
-from engine.labels import HASH_ENV as HASH_LABELS_ENV
-from engine.labels import MAX_ENV as MAX_LABELS_ENV
-from engine.policy import lease_caps_error, tenant_cap_error
-from engine.runtime import (
+from kvlease.engine.auth import KEYS_ENV
+from kvlease.engine.budgets import BUDGETS_ENV, BudgetConfigError, BudgetTable
+from kvlease.engine.labels import HASH_ENV as HASH_LABELS_ENV
+from kvlease.engine.labels import MAX_ENV as MAX_LABELS_ENV
+from kvlease.engine.policy import lease_caps_error, tenant_cap_error
+from kvlease.engine.runtime import (
     DependencyError,
     VllmVersionError,
     check_dependencies,
     prepare_environment,
     require_vllm,
 )
-from engine.tenancy import TIERS_ENV, TierConfigError, TierTable
-from exporters.tracing import ENABLE_ENV as OTEL_ENV
-from server.middleware import (
+from kvlease.engine.tenancy import TIERS_ENV, TierConfigError, TierTable
+from kvlease.exporters.tracing import ENABLE_ENV as OTEL_ENV
+from kvlease.server.middleware import (
     DATA_PARALLEL_ENV,
     METRICS_AUTH_ENV,
     SALT_KEY_ENV,
@@ -62,8 +61,8 @@ from server.middleware import (
     error_body,
 )
 
-SCHEDULER = "engine.vllm_scheduler.TenantAwareScheduler"
-MIDDLEWARE = "server.middleware.TenantMiddleware"
+SCHEDULER = "kvlease.engine.vllm_scheduler.TenantAwareScheduler"
+MIDDLEWARE = "kvlease.server.middleware.TenantMiddleware"
 ADMIN_PLUGIN = "kvlease_admin"
 OWNED_FLAGS = ("--scheduler-cls",)
 EXTERNAL_LB_FLAGS = (
@@ -193,11 +192,11 @@ def run_serve(argv: Sequence[str]) -> int:
         os.environ[METRICS_AUTH_ENV] = "1"
     if args.hash_tenant_labels:
         os.environ[HASH_LABELS_ENV] = "1"
-    from exporters.ledger import DB_ENV, default_url
+    from kvlease.exporters.ledger import DB_ENV, default_url
 
     os.environ[DB_ENV] = args.usage_db or default_url()
     try:
-        from exporters.ledger import LedgerError, UsageLedger
+        from kvlease.exporters.ledger import LedgerError, UsageLedger
 
         UsageLedger(os.environ[DB_ENV])  # reachable, and migrated, before the engine starts
     except LedgerError as exc:  # its message hides the password
@@ -219,11 +218,11 @@ def run_serve(argv: Sequence[str]) -> int:
         print(f"kvlease serve: error: {exc}", file=sys.stderr)
         return 2
 
-    from engine.channel import ADDRESS_ENV, new_address
+    from kvlease.engine.channel import ADDRESS_ENV, new_address
 
     demo = args.model is None
     if demo:
-        from demo.model import ensure_demo_model
+        from kvlease.demo.model import ensure_demo_model
 
         model = str(ensure_demo_model())
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -297,11 +296,11 @@ def _draining_loop() -> type:
     vLLM keeps accepting connections while it drains, but its renderer is shut down,
     so a request arriving then fails with a 500 ("cannot schedule new futures after
     shutdown"). vLLM installs its drain handler with `loop.add_signal_handler`; this loop
-    runs `server.middleware.DRAINING.set` first, and the middleware answers new requests
+    runs `kvlease.server.middleware.DRAINING.set` first, and the middleware answers new requests
     with 503 and Retry-After from then on (a load balancer retries elsewhere)."""
     import uvloop
 
-    from server.middleware import DRAINING
+    from kvlease.server.middleware import DRAINING
 
     class Loop(uvloop.Loop):
         def add_signal_handler(self, sig: int, callback, *args) -> None:
@@ -324,7 +323,7 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     from vllm.entrypoints.launchers.launcher import setup_server
 
-    from exporters.telemetry import TELEMETRY
+    from kvlease.exporters.telemetry import TELEMETRY
 
     def interrupt(*_: object) -> None:  # SIGTERM while the engine starts: stop starting
         raise KeyboardInterrupt("terminated")

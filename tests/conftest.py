@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from records import NOV, rec
 
-from engine.auth import Authenticator, KeyRing
-from engine.tenancy import TierTable
-from exporters.ledger import UsageLedger
+from kvlease.engine.auth import Authenticator, KeyRing
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.ledger import UsageLedger
 
 # `make test-vllm-next` runs the scheduler's own tests against vLLM 0.33.0's code (the GPU
 # release), installed beside the CPU torch: vLLM must then be told it runs on the CPU
@@ -58,7 +58,7 @@ def auth(hs_ring: KeyRing, tiers: TierTable) -> Authenticator:
 @pytest.fixture(scope="session")
 def kvlease_home(tmp_path_factory):
     """A KVLEASE_HOME for the test session, with the demo model built where kvlease looks."""
-    from demo.model import BUILD_ID, ensure_demo_model
+    from kvlease.demo.model import BUILD_ID, ensure_demo_model
 
     home = tmp_path_factory.mktemp("kvlease-home")
     ensure_demo_model(home / "models" / BUILD_ID)
@@ -67,7 +67,7 @@ def kvlease_home(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_model(kvlease_home) -> str:
-    from demo.model import BUILD_ID
+    from kvlease.demo.model import BUILD_ID
 
     return str(kvlease_home / "models" / BUILD_ID)
 
@@ -83,7 +83,7 @@ def stock_engine(demo_model):
 def kvlease_engine(demo_model):
     from engines import recording, start_engine
 
-    from engine.vllm_scheduler import TenantAwareScheduler
+    from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
     return start_engine(
         demo_model,

@@ -14,7 +14,7 @@ from typing import Any
 from clocks import OffsetClock
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from engine.tenancy import TierTable
+from kvlease.engine.tenancy import TierTable
 
 POOL_BLOCKS = 24  # 23 usable: vLLM keeps one null block
 BLOCK_SIZE = 32

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from exporters.ledger import UsageRecord
+from kvlease.exporters.ledger import UsageRecord
 
 NOV = 1793491200.0  # 2026-11-01T00:00:00Z
 

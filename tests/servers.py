@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 
 from bench.postgres import free_port
-from demo.prometheus import config_text
-from engine.auth import KeyRing, mint_token
-from engine.tenancy import TierTable
+from kvlease.demo.prometheus import config_text
+from kvlease.engine.auth import KeyRing, mint_token
+from kvlease.engine.tenancy import TierTable
 
 
 @dataclass
@@ -117,7 +117,7 @@ def start(
 
 def kvlease_serve(home: Path, log: Path, *args: str) -> Server:
     return start(
-        [sys.executable, "-m", "server.cli", "serve", "--num-blocks", "256", *args], home, log
+        [sys.executable, "-m", "kvlease", "serve", "--num-blocks", "256", *args], home, log
     )
 
 

@@ -10,10 +10,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from records import rec
 
-from engine.tenancy import TenantContext
-from exporters.ledger import UsageLedger
-from server.admin import KvleaseAdminPlugin
-from server.middleware import STATE_KEY
+from kvlease.engine.tenancy import TenantContext
+from kvlease.exporters.ledger import UsageLedger
+from kvlease.server.admin import KvleaseAdminPlugin
+from kvlease.server.middleware import STATE_KEY
 
 
 def _client(roles=frozenset({"finance"}), raise_server_exceptions=True) -> TestClient:

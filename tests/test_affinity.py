@@ -7,14 +7,14 @@ import subprocess
 import sys
 from collections import Counter
 
-from engine.affinity import session_rank
+from kvlease.engine.affinity import session_rank
 
 
 def test_a_session_has_one_rank_in_every_process():
     sessions = [("acme", f"chat-{i}") for i in range(50)]
     here = [session_rank(t, s, 4) for t, s in sessions]
     code = (
-        "from engine.affinity import session_rank;"
+        "from kvlease.engine.affinity import session_rank;"
         f"print([session_rank(t, s, 4) for t, s in {sessions!r}])"
     )
     there = subprocess.run(

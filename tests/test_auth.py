@@ -10,7 +10,7 @@ import pytest
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from jwk_keys import private_jwk, public_half
 
-from engine.auth import (
+from kvlease.engine.auth import (
     MAX_TOKEN_BYTES,
     Authenticator,
     AuthError,
@@ -20,7 +20,7 @@ from engine.auth import (
     mint_token,
     require_role,
 )
-from engine.tenancy import TenantContext
+from kvlease.engine.tenancy import TenantContext
 
 
 def _b64(data: dict) -> str:

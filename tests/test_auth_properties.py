@@ -10,8 +10,8 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.auth import Authenticator, AuthError
-from engine.tenancy import TenantContext
+from kvlease.engine.auth import Authenticator, AuthError
+from kvlease.engine.tenancy import TenantContext
 
 # Fixtures are stateless here; the first draw of st.text builds Hypothesis's
 # unicode tables, which its too-slow check would take for a slow strategy.

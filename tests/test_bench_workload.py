@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from bench.report import percentile, stats
 from bench.workload import QUICK_SPEC
-from demo.workload import Turn, generate
-from replay.sessions import StepTrace
+from kvlease.demo.workload import Turn, generate
+from kvlease.replay.sessions import StepTrace
 
 
 def _session(*turns: tuple[float, int, int]) -> list[Turn]:

@@ -9,10 +9,10 @@ from decimal import Decimal
 import pytest
 from records import NOV, rec
 
-from engine.budgets import BudgetConfigError, BudgetTable, estimate
-from exporters.billing import record_cost
-from exporters.ledger import UsageLedger
-from exporters.spend import SpendTracker
+from kvlease.engine.budgets import BudgetConfigError, BudgetTable, estimate
+from kvlease.exporters.billing import record_cost
+from kvlease.exporters.ledger import UsageLedger
+from kvlease.exporters.spend import SpendTracker
 
 GOOD = """
 refresh_seconds = 5

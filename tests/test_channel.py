@@ -9,10 +9,10 @@ import time
 import msgspec
 from waiting import until
 
-from engine.channel import Publisher, Receiver, address_for, new_address
-from engine.events import EngineState, Message, Preemption, RequestDone, Totals
-from exporters.ranks import merge_states
-from exporters.view import EngineView
+from kvlease.engine.channel import Publisher, Receiver, address_for, new_address
+from kvlease.engine.events import EngineState, Message, Preemption, RequestDone, Totals
+from kvlease.exporters.ranks import merge_states
+from kvlease.exporters.view import EngineView
 
 
 def _state(pool=10, free=4, tenants=None, **totals) -> EngineState:

@@ -4,8 +4,8 @@ import jwt
 import pytest
 from jwk_keys import private_jwk
 
-from engine.auth import Authenticator, KeyRing
-from server.cli import main
+from kvlease.engine.auth import Authenticator, KeyRing
+from kvlease.server.cli import main
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import pytest
 from servers import free_port
 from streamlit.testing.v1 import AppTest
 
-from dashboard import data
-from dashboard.launch import APP
+from kvlease.dashboard import data
+from kvlease.dashboard.launch import APP
 
 ENVS = (
     data.ENGINE_ENV,
@@ -165,7 +165,7 @@ def test_switching_pages_keeps_the_page_whole(page, november_ledger):
 
 
 def test_dashboard_refuses_a_refresh_faster_than_two_seconds(capsys):
-    from server.cli import main
+    from kvlease.server.cli import main
 
     assert main(["dashboard", "--refresh", "1"]) == 2
     assert "at least 2 seconds" in capsys.readouterr().err
@@ -192,7 +192,7 @@ def test_a_password_keeps_every_page_behind_a_login(page):
 
 
 def test_serving_beyond_localhost_needs_a_password(monkeypatch, capsys):
-    from server.cli import main
+    from kvlease.server.cli import main
 
     monkeypatch.delenv(data.PASSWORD_ENV, raising=False)
     assert main(["dashboard", "--address", "0.0.0.0"]) == 2
@@ -200,7 +200,7 @@ def test_serving_beyond_localhost_needs_a_password(monkeypatch, capsys):
 
 
 def test_what_if_page_replays_a_trace_in_the_background_and_shows_both_sides(page, tmp_path):
-    from demo.workload import WorkloadSpec, generate, save_trace
+    from kvlease.demo.workload import WorkloadSpec, generate, save_trace
 
     trace = tmp_path / "trace.csv"
     spec = WorkloadSpec(tenants=(1, 1, 3), duration=8.0, sessions_per_second=1.0, seed=2)
@@ -265,7 +265,7 @@ def test_a_replay_child_past_its_memory_bound_is_ended(monkeypatch):
     import subprocess
     import sys
 
-    from dashboard import whatif
+    from kvlease.dashboard import whatif
 
     monkeypatch.setattr(whatif, "CHILD_MAX_RSS_BYTES", 1)  # any real process is past it
     job = whatif.ReplayJob()

@@ -8,10 +8,10 @@ import msgspec
 import pandas as pd
 import pytest
 
-from dashboard import charts, data
-from engine.events import EngineState, Eviction, LeaseEvent, Message, Preemption, Totals
-from engine.labels import TenantLabels
-from exporters.history import History
+from kvlease.dashboard import charts, data
+from kvlease.engine.events import EngineState, Eviction, LeaseEvent, Message, Preemption, Totals
+from kvlease.engine.labels import TenantLabels
+from kvlease.exporters.history import History
 
 NOW = time.time()
 KVL = "kvl-" + "ab" * 16
@@ -378,7 +378,7 @@ def test_config_comes_from_the_environment_and_refresh_is_at_least_2_s():
 
 
 def test_each_data_parallel_rank_is_a_row_beside_the_whole():
-    from exporters.view import EngineView
+    from kvlease.exporters.view import EngineView
 
     view = EngineView()
     for rank, (pool, free, held) in enumerate([(63, 20, (5, 2, 1)), (63, 40, (1, 0, 3))]):

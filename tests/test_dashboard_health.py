@@ -1,4 +1,4 @@
-"""The live page's health strip (`dashboard.health`): alerts from Prometheus's JSON or the
+"""The live page's health strip (`kvlease.dashboard.health`): alerts from Prometheus's JSON or the
 bundled rules evaluated on the engine's figures, and the pool counted as a person reads it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 import pandas as pd
 
-from dashboard import data, health
+from kvlease.dashboard import data, health
 
 
 def _live(free=20, tenants=None, events=(), reuse=(), waiting=3) -> data.Live:

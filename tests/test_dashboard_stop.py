@@ -52,7 +52,7 @@ def _port_free(port: int) -> bool:
 def _start(port: int, log: Path) -> tuple[subprocess.Popen, int]:
     """`kvlease dashboard` on `port`, up (Streamlit answers its health check); its
     Streamlit's pid."""
-    argv = [sys.executable, "-m", "server.cli", "dashboard", "--port", str(port)]
+    argv = [sys.executable, "-m", "kvlease", "dashboard", "--port", str(port)]
     argv += ["--engine", f"http://127.0.0.1:{free_port()}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEASE_DASHBOARD")}
     proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)

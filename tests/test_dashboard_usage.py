@@ -1,4 +1,4 @@
-"""The usage page's figures (`dashboard.usage`): from the rollups, priced as the FOCUS
+"""The usage page's figures (`kvlease.dashboard.usage`): from the rollups, priced as the FOCUS
 export prices its rows, so every total is the export's to the digit."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from decimal import Decimal
 import pytest
 from records import NOV, rec
 
-from dashboard import charts, usage
-from dashboard.data import SourceError
-from exporters.exports import export_chunks
-from exporters.ledger import UsageLedger
-from server.cli import main
+from kvlease.dashboard import charts, usage
+from kvlease.dashboard.data import SourceError
+from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.ledger import UsageLedger
+from kvlease.server.cli import main
 
 DEC = NOV + 30 * 86400
 OCT = NOV - 31 * 86400
@@ -37,7 +37,7 @@ def test_tenant_totals_are_the_focus_rows_to_the_digit(november_ledger, tiers):
     for tenant in ("acme", "bob", "cy"):
         mine = [r for r in rows if r["SubAccountId"] == tenant]
         billed = sum(Decimal(r["BilledCost"]) for r in mine)
-        # the exact cost; each row is written at 10 places (exporters.money)
+        # the exact cost; each row is written at 10 places (kvlease.exporters.money)
         assert abs(table.loc[tenant, "cost"] - billed) <= len(mine) * Decimal("0.5e-10")
     assert table.index[0] == "acme"  # largest cost first
     figure = charts.cost_bars(finance.tenants, tiers.currency)
@@ -173,7 +173,7 @@ def test_the_tenant_table_leads_with_who_and_what_they_owe(november_ledger, tier
 
 
 def test_budgets_are_read_against_a_calendar_month_only(november_ledger, tiers):
-    from engine.budgets import Budget, BudgetTable
+    from kvlease.engine.budgets import Budget, BudgetTable
 
     finance = usage.load_finance(november_ledger.url, NOV, DEC, tiers)
     acme = finance.tenants.set_index("tenant_id").loc["acme", "cost"]

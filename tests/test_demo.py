@@ -2,7 +2,7 @@
 demo model gets built), a real server, Prometheus and two requests per tenant.
 
 Nothing here depends on the machine's speed: the demo's pressure is set in tokens
-(`demo.run.demand_blocks`), and the run ends after a number of requests, not seconds."""
+(`kvlease.demo.run.demand_blocks`), and the run ends after a number of requests, not seconds."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port
 
-from exporters.ledger import UsageLedger
+from kvlease.exporters.ledger import UsageLedger
 
 pytestmark = pytest.mark.engine
 
@@ -58,7 +58,7 @@ def demo_run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
     env["KVLEASE_HOME"] = str(home)
     out = (home / "demo.out").open("w")
-    argv = [sys.executable, "-m", "server.cli", "demo", "--requests", "24", "--no-dashboard"]
+    argv = [sys.executable, "-m", "kvlease", "demo", "--requests", "24", "--no-dashboard"]
     argv += ["--port", str(port), "--prometheus-port", str(free_port())]
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     last_metrics = ""
@@ -111,7 +111,7 @@ def test_the_printed_commands_work_as_printed(demo_run):
 
 
 def test_the_heavy_tenant_keeps_a_queue_so_fair_share_has_something_to_show(demo_run):
-    from demo.run import HEAVY_STREAMS, demo_spec, heavy_tenant
+    from kvlease.demo.run import HEAVY_STREAMS, demo_spec, heavy_tenant
 
     assert heavy_tenant(demo_spec(12, 0)) == {"free-00": HEAVY_STREAMS}
     _, _, output, metrics = demo_run
@@ -126,7 +126,7 @@ def test_the_heavy_tenant_keeps_a_queue_so_fair_share_has_something_to_show(demo
 
 
 def test_the_demo_pool_is_smaller_than_what_its_streams_hold_at_once():
-    from demo.run import POOL_BLOCKS, demand_blocks, demo_spec
+    from kvlease.demo.run import POOL_BLOCKS, demand_blocks, demo_spec
 
     assert demand_blocks(demo_spec(12, 0)) > POOL_BLOCKS - 1  # vLLM keeps one null block
 
@@ -169,7 +169,7 @@ def test_ctrl_c_while_the_engine_starts_stops_everything_and_says_it_never_serve
     env["KVLEASE_HOME"] = str(tmp_path)
     log = tmp_path / "demo.out"
     port = free_port()
-    argv = [sys.executable, "-m", "server.cli", "demo", "--no-dashboard"]
+    argv = [sys.executable, "-m", "kvlease", "demo", "--no-dashboard"]
     argv += ["--port", str(port), "--prometheus-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)

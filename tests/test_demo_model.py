@@ -2,7 +2,7 @@ import hashlib
 
 import pytest
 
-from demo.model import build_demo_model, ensure_demo_model
+from kvlease.demo.model import build_demo_model, ensure_demo_model
 
 
 def _digests(folder):

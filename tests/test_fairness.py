@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.fairness import FairShare
-from engine.waiting_queue import FairBucket
+from kvlease.engine.fairness import FairShare
+from kvlease.engine.waiting_queue import FairBucket
 
 
 @dataclass(eq=False)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from records import NOV, rec
 
-from exporters.ledger import UsageLedger
-from server.cli import main
+from kvlease.exporters.ledger import UsageLedger
+from kvlease.server.cli import main
 
 VALIDATOR = ("focus-validator==1.0.0", "multimethod<1.11")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvlease-tests"

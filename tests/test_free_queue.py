@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
 
-from engine.free_queue import CACHED, EMPTY, Holder, TenantFreeBlockQueue
+from kvlease.engine.free_queue import CACHED, EMPTY, Holder, TenantFreeBlockQueue
 
 N = 24
 

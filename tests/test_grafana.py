@@ -15,9 +15,16 @@ import yaml
 from servers import prometheus, wait_for_series
 from traffic import Traffic
 
-from engine.tenancy import TierTable
-from exporters.metrics import FAMILIES
-from grafana.build import ALERTS_FILE, DASHBOARD_DIR, HERE, panel_queries, render, render_alerts
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.metrics import FAMILIES
+from kvlease.grafana.build import (
+    ALERTS_FILE,
+    DASHBOARD_DIR,
+    HERE,
+    panel_queries,
+    render,
+    render_alerts,
+)
 
 ALERTS = ALERTS_FILE
 METRIC = re.compile(r"\b(vllm[_:][A-Za-z0-9_:]*)")

@@ -18,11 +18,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from engine.budgets import BudgetTable
-from engine.tenancy import TierTable
-from grafana.build import ALERTS_FILE, render_kubernetes
-from server.middleware import SESSION_HEADER
-from server.serve import _kvlease_args
+from kvlease.engine.budgets import BudgetTable
+from kvlease.engine.tenancy import TierTable
+from kvlease.grafana.build import ALERTS_FILE, render_kubernetes
+from kvlease.server.middleware import SESSION_HEADER
+from kvlease.server.serve import _kvlease_args
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "deploy" / "kubernetes"

@@ -25,11 +25,11 @@ FLOORS = {
 }
 # The vLLM adapters, plus the version check that must run before any of them.
 VLLM_IMPORTERS = {
-    "engine.runtime",  # the version check
-    "engine.vllm_scheduler",  # the scheduler adapter
-    "server.serve",  # the launcher
-    "exporters.stat_logger",  # the stat-logger plugin
-    "replay.synthetic",  # the offline engine of `kvlease replay`
+    "kvlease.engine.runtime",  # the version check
+    "kvlease.engine.vllm_scheduler",  # the scheduler adapter
+    "kvlease.server.serve",  # the launcher
+    "kvlease.exporters.stat_logger",  # the stat-logger plugin
+    "kvlease.replay.synthetic",  # the offline engine of `kvlease replay`
 }
 
 
@@ -37,8 +37,8 @@ def _modules() -> dict[str, Path]:
     out = {}
     for package in FLOORS:
         for path in sorted((ROOT / package).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            out[name] = path
+            name = f"kvlease.{package}"
+            out[name if path.stem == "__init__" else f"{name}.{path.stem}"] = path
     return out
 
 
@@ -63,8 +63,29 @@ def _imports(name: str) -> set[str]:
 IMPORTS = {name: _imports(name) for name in MODULES}
 
 
+def _package(name: str) -> str:
+    """kvlease.engine.policy -> engine."""
+    return name.split(".")[1]
+
+
 def _ours(imports: set[str]) -> set[str]:
-    return {i for i in imports if i.split(".")[0] in FLOORS}
+    return {i for i in imports if i.startswith("kvlease.")}
+
+
+def test_every_first_party_import_goes_through_the_namespace():
+    python = [*ROOT.glob("kvlease/*.py"), *MODULES.values(), *ROOT.glob("tests/**/*.py")]
+    python += [*ROOT.glob("bench/*.py")]
+    bare = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in python
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+        if name.split(".")[0] in FLOORS
+    ]
+    assert bare == []
 
 
 def test_packages_import_only_downward():
@@ -72,7 +93,7 @@ def test_packages_import_only_downward():
         f"{name} imports {dep}"
         for name, imports in IMPORTS.items()
         for dep in _ours(imports)
-        if FLOORS[dep.split(".")[0]] > FLOORS[name.split(".")[0]]
+        if FLOORS[_package(dep)] > FLOORS[_package(name)]
     ]
     assert upward == []
 
@@ -106,15 +127,24 @@ def test_only_the_named_adapters_import_vllm():
 @pytest.mark.parametrize("package", ["dashboard", "grafana"])
 def test_the_dashboards_never_import_the_scheduler_adapter(package):
     for name, imports in IMPORTS.items():
-        if name.startswith(package):
-            assert "engine.vllm_scheduler" not in imports, name
+        if _package(name) == package:
+            assert "kvlease.engine.vllm_scheduler" not in imports, name
 
 
 def test_the_policy_imports_only_the_standard_library():
-    assert {i.split(".")[0] for i in IMPORTS["engine.policy"]} <= set(sys.stdlib_module_names)
+    assert {i.split(".")[0] for i in IMPORTS["kvlease.engine.policy"]} <= set(
+        sys.stdlib_module_names
+    )
 
 
 def test_no_exporter_imports_the_http_layer():
     for name, imports in IMPORTS.items():
-        if name.startswith("exporters"):
-            assert not any(i.split(".")[0] == "server" for i in imports), name
+        if _package(name) == "exporters":
+            assert not any(i.startswith("kvlease.server") for i in imports), name
+
+
+def test_the_readme_names_the_same_vllm_importers():
+    readme = (ROOT / "README.md").read_text()
+    listed = readme.split("**vLLM is imported by these modules only**")[1].split("\n\n")[1]
+    named = {line.split("`")[1] for line in listed.splitlines() if line.startswith("- `")}
+    assert named == VLLM_IMPORTERS

@@ -1,7 +1,7 @@
 import pytest
 from clocks import ManualClock
 
-from engine.leases import LeaseBook
+from kvlease.engine.leases import LeaseBook
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from decimal import Decimal, localcontext
 import pytest
 from records import NOV, rec, retention
 
-from exporters.billing import (
+from kvlease.exporters.billing import (
     EXACT,
     FOCUS_COLUMNS,
     charge_groups,
@@ -20,9 +20,9 @@ from exporters.billing import (
     period,
     record_cost,
 )
-from exporters.exports import export_chunks
-from exporters.ledger import MIGRATIONS, SCHEMA_VERSION, OpenRecord, UsageLedger, rollup_of
-from server.cli import main
+from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.ledger import MIGRATIONS, SCHEMA_VERSION, OpenRecord, UsageLedger, rollup_of
+from kvlease.server.cli import main
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -130,7 +130,7 @@ def _focus(records, tiers, granularity="day", window=None) -> list[dict]:
 SKUS = ["kvlease-input-tokens", "kvlease-cached-input-tokens", "kvlease-output-tokens"]
 SKUS.append("kvlease-kv-block-hours")
 PLAIN_DECIMAL = re.compile(r"\d+\.\d+")
-FIXED_10 = re.compile(r"\d+\.\d{10}")  # exporters.money.FOCUS_PLACES
+FIXED_10 = re.compile(r"\d+\.\d{10}")  # kvlease.exporters.money.FOCUS_PLACES
 INTEGER = re.compile(r"\d+")
 HALF_TEN_PLACES = Decimal("0.5e-10")  # the most one FOCUS row's rounding moves its cost
 
@@ -291,7 +291,7 @@ def test_a_record_the_database_refuses_is_set_aside_and_never_blocks_the_others(
     import dataclasses
     import json
 
-    from exporters.writer import LedgerWriter
+    from kvlease.exporters.writer import LedgerWriter
 
     bad = dataclasses.replace(rec(3), model=None)  # NOT NULL, on every backend
     batch = [rec(1), rec(2), bad, rec(4), rec(5)]
@@ -318,7 +318,7 @@ def test_a_record_the_database_refuses_is_set_aside_and_never_blocks_the_others(
 def test_the_dead_letter_file_is_bounded(ledger, tmp_path, monkeypatch):
     import dataclasses
 
-    from exporters.writer import DEAD_LETTER_MAX_ENV, LedgerWriter
+    from kvlease.exporters.writer import DEAD_LETTER_MAX_ENV, LedgerWriter
 
     monkeypatch.setenv(DEAD_LETTER_MAX_ENV, "10000")
     dead = tmp_path / "dead.jsonl"
@@ -340,7 +340,7 @@ def test_a_new_ledger_and_its_folder_are_private(tmp_path):
 
 
 def _table(input_price: str, currency: str = "USD", tier: str = "premium"):
-    from engine.tenancy import TierTable
+    from kvlease.engine.tenancy import TierTable
 
     return TierTable.from_toml(
         f'currency = "{currency}"\n[tiers.{tier}]\npriority = 0\nlease_seconds = 60\n'
@@ -351,7 +351,7 @@ def _table(input_price: str, currency: str = "USD", tier: str = "premium"):
 
 def test_a_record_keeps_the_prices_it_was_written_with(tmp_path):
     """A later change of the tier table never reprices history."""
-    from exporters.writer import to_record
+    from kvlease.exporters.writer import to_record
 
     finished = _finished_premium_request()
     then = _table("0.0030")
@@ -373,8 +373,8 @@ def test_an_export_that_cannot_price_a_record_says_so_and_exits_2(tmp_path, caps
 
 
 def test_a_record_priced_in_another_currency_is_refused():
-    from exporters.billing import UnpricedRecord
-    from exporters.writer import to_record
+    from kvlease.exporters.billing import UnpricedRecord
+    from kvlease.exporters.writer import to_record
 
     euro = to_record(_finished_premium_request(), _table("1", currency="EUR"))
     with pytest.raises(UnpricedRecord, match="EUR"):
@@ -384,8 +384,8 @@ def test_a_record_priced_in_another_currency_is_refused():
 def _finished_premium_request():
     from types import SimpleNamespace
 
-    from engine.tenancy import TenantContext
-    from exporters.join import FinishedRequest, InFlight
+    from kvlease.engine.tenancy import TenantContext
+    from kvlease.exporters.join import FinishedRequest, InFlight
 
     stats = SimpleNamespace(
         request_id="kvl-" + "a" * 32,

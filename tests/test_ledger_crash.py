@@ -1,5 +1,5 @@
 """kill -9 under load: no answered request loses its usage record, none is counted twice,
-and a stream cut mid-way is billed for what it had streamed (exporters.open_records)."""
+and a stream cut mid-way is billed for what it had streamed (kvlease.exporters.open_records)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from servers import start
 from waiting import until, wait
 
-from exporters.ledger import UsageLedger
+from kvlease.exporters.ledger import UsageLedger
 
 pytestmark = pytest.mark.engine
 
@@ -27,7 +27,7 @@ def _serve(home, log, usage_db):
     command = [
         sys.executable,
         "-m",
-        "server.cli",
+        "kvlease",
         "serve",
         "--num-blocks",
         "256",

@@ -9,10 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.events import Message, RequestDone
-from engine.labels import OTHER, UNCLASSIFIED, TenantLabels
-from exporters.metrics import FAMILIES, TenantMetrics
-from exporters.view import EngineView
+from kvlease.engine.events import Message, RequestDone
+from kvlease.engine.labels import OTHER, UNCLASSIFIED, TenantLabels
+from kvlease.exporters.metrics import FAMILIES, TenantMetrics
+from kvlease.exporters.view import EngineView
 
 
 def _state(tenants=None, tenant_tiers=None, **totals):
@@ -216,7 +216,7 @@ def test_a_flood_of_100000_tenants_keeps_metrics_under_a_fixed_size(tiers):
 
 
 def test_hashed_tenant_labels_are_stable_and_never_name_the_tenant():
-    from engine.labels import hashed_label
+    from kvlease.engine.labels import hashed_label
 
     key = b"k" * 32
     labels = TenantLabels(max_labels=2, hash_key=key)
@@ -229,7 +229,7 @@ def test_hashed_tenant_labels_are_stable_and_never_name_the_tenant():
 
 
 def test_hashing_without_a_long_enough_key_is_a_clear_error(monkeypatch):
-    from engine.labels import HASH_ENV, HASH_KEY_ENV, hash_key_from_env
+    from kvlease.engine.labels import HASH_ENV, HASH_KEY_ENV, hash_key_from_env
 
     monkeypatch.setenv(HASH_ENV, "1")
     monkeypatch.setenv(HASH_KEY_ENV, "short")

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from engine.auth import Authenticator, mint_token
-from server.middleware import ServerConfig, TenantMiddleware, engine_requests, route_class
+from kvlease.engine.auth import Authenticator, mint_token
+from kvlease.server.middleware import ServerConfig, TenantMiddleware, engine_requests, route_class
 
 
 class Recorder:
@@ -474,7 +474,7 @@ def _rank_header(app):
 def test_each_session_is_pinned_to_one_data_parallel_rank(config, hs_ring, tiers):
     import dataclasses
 
-    from engine.affinity import session_rank
+    from kvlease.engine.affinity import session_rank
 
     app = TenantMiddleware(Recorder(), dataclasses.replace(config, data_parallel_size=2))
     seen = {}
@@ -561,7 +561,7 @@ def test_the_bodies_in_flight_are_bounded_and_released_when_their_requests_end(h
 
 
 def test_requests_during_the_drain_get_503_and_public_routes_still_answer(app, hs_ring, tiers):
-    from server.middleware import DRAINING
+    from kvlease.server.middleware import DRAINING
 
     DRAINING.set()
     try:
@@ -577,7 +577,7 @@ def test_requests_during_the_drain_get_503_and_public_routes_still_answer(app, h
 
 
 def test_streamed_output_is_counted_from_events_that_carry_text():
-    from server.middleware import streamed_tokens
+    from kvlease.server.middleware import streamed_tokens
 
     chat = (
         b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'

@@ -1,4 +1,4 @@
-"""The one rounding rule (`exporters.money`): FOCUS at 10 places, people in minor units,
+"""The one rounding rule (`kvlease.exporters.money`): FOCUS at 10 places, people in minor units,
 and a statement whose rounded lines add up to its rounded total."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from decimal import Decimal
 from hypothesis import given
 from hypothesis import strategies as st
 
-from exporters import money
+from kvlease.exporters import money
 
 AMOUNTS = st.decimals(min_value=0, max_value=10**6, places=14, allow_nan=False)
 

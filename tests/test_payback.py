@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.payback import GENERATION, MAX_REFUSALS, PaybackTuner
+from kvlease.engine.payback import GENERATION, MAX_REFUSALS, PaybackTuner
 
 BLOCK = 16
 

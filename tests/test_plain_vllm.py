@@ -11,8 +11,8 @@ import openai
 import pytest
 from servers import start
 
-from engine.channel import new_address
-from engine.labels import hashed_label
+from kvlease.engine.channel import new_address
+from kvlease.engine.labels import hashed_label
 
 pytestmark = pytest.mark.engine
 LABEL_KEY = "label-key-" + "x" * 32
@@ -35,9 +35,9 @@ def plain(kvlease_home, demo_model, tmp_path_factory):
         "--num-gpu-blocks-override",
         "64",
         "--scheduler-cls",
-        "engine.vllm_scheduler.TenantAwareScheduler",
+        "kvlease.engine.vllm_scheduler.TenantAwareScheduler",
         "--middleware",
-        "server.middleware.TenantMiddleware",
+        "kvlease.server.middleware.TenantMiddleware",
     ]
     env = {
         "VLLM_PLUGINS": "kvlease_admin,kvlease_stats",

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.policy import (
+from kvlease.engine.policy import (
     Candidate,
     CostModel,
     EvictionClass,

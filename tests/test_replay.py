@@ -18,12 +18,12 @@ from records import NOV, rec
 
 from bench.inprocess import Engine
 from bench.policy import play
-from demo.workload import Turn, WorkloadSpec, generate, save_trace
-from engine.tenancy import TierTable
-from exporters.ledger import UsageLedger, UsageRecord
-from replay import traffic
-from replay.report import percentile
-from server.cli import main
+from kvlease.demo.workload import Turn, WorkloadSpec, generate, save_trace
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.ledger import UsageLedger, UsageRecord
+from kvlease.replay import traffic
+from kvlease.replay.report import percentile
+from kvlease.server.cli import main
 
 SPS = 10.0  # steps per second of both clocks
 SPEC = WorkloadSpec(
@@ -204,7 +204,7 @@ def test_ledger_records_become_chat_turns_with_new_tokens_and_think_time():
 
 
 def test_kv_gib_sizes_the_pool_from_the_models_config(demo_model):
-    from replay.pool import kv_bytes_per_token, pool_blocks
+    from kvlease.replay.pool import kv_bytes_per_token, pool_blocks
 
     # The demo model: 2 layers x 2 KV heads x 64 dims x 2 bytes, keys and values.
     assert kv_bytes_per_token(Path(demo_model)) == 2 * 2 * 2 * 64 * 2
@@ -212,8 +212,8 @@ def test_kv_gib_sizes_the_pool_from_the_models_config(demo_model):
 
 
 def test_a_stride_of_decode_steps_changes_no_figure(demo_model):
-    from replay.clock import CPU_DEMO, StepCost
-    from replay.simulate import simulate
+    from kvlease.replay.clock import CPU_DEMO, StepCost
+    from kvlease.replay.simulate import simulate
 
     turns = generate(replace(SPEC, tenants=(4, 8, 20), duration=30.0))
     tiers = TierTable.load()
@@ -239,9 +239,9 @@ def test_stock_vllm_replays_the_same_requests_and_kvlease_bills_its_retention(de
     """The ablation table's stock columns (bench/ablations.py): vLLM's own scheduler, by
     FCFS or by tier priority, replays every request; only kvlease's leases hold blocks
     between turns, and the replay bills that retention to premium and standard only."""
-    from replay.clock import StepCost
-    from replay.report import summarize
-    from replay.simulate import simulate
+    from kvlease.replay.clock import StepCost
+    from kvlease.replay.report import summarize
+    from kvlease.replay.simulate import simulate
 
     turns = generate(replace(SPEC, tenants=(4, 8, 20), duration=30.0))
     tiers = TierTable.load()

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 from clocks import ManualClock
 
-from engine.events import RequestDone
-from engine.tenancy import TenantContext
-from exporters.join import FinishedRequest, InFlight, RequestJoin
-from exporters.writer import to_record
+from kvlease.engine.events import RequestDone
+from kvlease.engine.tenancy import TenantContext
+from kvlease.exporters.join import FinishedRequest, InFlight, RequestJoin
+from kvlease.exporters.writer import to_record
 
 KVL = "kvl-" + "ab" * 16
 OTHER = "kvl-" + "cd" * 16

@@ -1,4 +1,4 @@
-"""The reservation window (engine.reservations): how long a session's blocks are kept
+"""The reservation window (kvlease.engine.reservations): how long a session's blocks are kept
 from lower tiers after a turn, from the think times and return rate it has shown."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.reservations import MIN_HISTORY, ReserveMode, ReservePolicy, ReturnModel
+from kvlease.engine.reservations import MIN_HISTORY, ReserveMode, ReservePolicy, ReturnModel
 
 AUTO = ReservePolicy()
 

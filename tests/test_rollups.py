@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from records import NOV, rec, retention
 
-from engine.tenancy import TierTable
-from exporters.billing import focus_rows, usage
-from exporters.exports import export_chunks
-from exporters.ledger import UsageLedger, rollup_of
-from exporters.rollups import DAY, HOUR, SUMS, block_us
-from server.cli import main
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.billing import focus_rows, usage
+from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.ledger import UsageLedger, rollup_of
+from kvlease.exporters.rollups import DAY, HOUR, SUMS, block_us
+from kvlease.server.cli import main
 
 END = NOV + 40 * DAY
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +133,7 @@ def test_focus_from_rollups_equals_focus_from_every_record(ledger, tiers, granul
         (replace(x, at=x.at - x.at % bucket) for x in map(rollup_of, records)),
         key=lambda x: (x.tenant_id, x.model, x.at),
     )
-    from exporters.billing import FOCUS_COLUMNS, csv_chunks
+    from kvlease.exporters.billing import FOCUS_COLUMNS, csv_chunks
 
     direct = "".join(csv_chunks(focus_rows(one_by_one, granularity, tiers, window), FOCUS_COLUMNS))
     assert stored == direct
@@ -185,7 +185,7 @@ def test_an_older_ledger_gets_its_rollups_when_migrated(tmp_path):
     recomputed tokens' causes (read as unknown)."""
     from sqlalchemy import create_engine, text
 
-    from exporters.ledger import MIGRATIONS
+    from kvlease.exporters.ledger import MIGRATIONS
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     records = [r for r in random_records(random.Random(11), 60) if r.outcome != "retention"]
@@ -233,7 +233,7 @@ def test_import_loads_a_raw_export_and_re_importing_adds_nothing(ledger, tmp_pat
 
 
 def test_import_reports_each_bad_row_and_imports_the_good_ones(ledger, tmp_path, capsys):
-    from exporters.billing import RAW_COLUMNS
+    from kvlease.exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
     good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0,"
@@ -270,7 +270,7 @@ WRITER = textwrap.dedent(
     import random, sys
     sys.path.insert(0, {tests!r})
     from test_rollups import random_records
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
     ledger, rng = UsageLedger({url!r}), random.Random(1)
     i = 0
     while True:
@@ -335,7 +335,7 @@ def test_concurrent_writers_count_each_record_once(ledger):
 def test_import_bounds_every_value_and_keeps_the_good_rows_of_a_batch(ledger, tmp_path, capsys):
     """Each of these once broke a bill or lost its whole batch (a 2^63 count, two 2^62
     counts summed, a time of -1e300 or NaN, a NaN or huge price, a bad byte, a huge cell)."""
-    from exporters.billing import RAW_COLUMNS
+    from kvlease.exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
     good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0,"
@@ -379,7 +379,7 @@ def test_import_bounds_every_value_and_keeps_the_good_rows_of_a_batch(ledger, tm
 
 
 def test_import_reports_a_repeated_id_by_line(ledger, tmp_path, capsys):
-    from exporters.billing import RAW_COLUMNS
+    from kvlease.exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
     good = f"kvl-1,acme,premium,,m,{times},10,5,3,0,0,1.5,completed,False,,0,0,0,"
@@ -394,8 +394,8 @@ def test_import_reports_a_repeated_id_by_line(ledger, tmp_path, capsys):
 def test_import_reads_the_raw_layout_an_earlier_kvlease_wrote(ledger, tmp_path, capsys):
     """Before `partial`, `price_basis`, `lease_covered_tokens` and the retention columns:
     the migrations' defaults."""
-    from exporters.billing import RAW_COLUMNS
-    from exporters.usage_import import OPTIONAL_COLUMNS
+    from kvlease.exporters.billing import RAW_COLUMNS
+    from kvlease.exporters.usage_import import OPTIONAL_COLUMNS
 
     old = [c for c in RAW_COLUMNS if c not in OPTIONAL_COLUMNS]
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"

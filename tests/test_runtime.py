@@ -1,6 +1,6 @@
 import pytest
 
-from engine.runtime import (
+from kvlease.engine.runtime import (
     VllmVersionError,
     check_dependencies,
     check_vllm_version,
@@ -53,7 +53,7 @@ def test_the_installed_runtime_dependencies_match_the_pins():
 
 def test_the_launcher_finds_vllms_serve_arguments_in_this_release():
     """Run by `make test-vllm-next` too: the import moved in vLLM 0.33."""
-    from server.serve import vllm_cli_args
+    from kvlease.server.serve import vllm_cli_args
 
     make_arg_parser, validate = vllm_cli_args()
     assert make_arg_parser.__name__ == "make_arg_parser" and callable(validate)

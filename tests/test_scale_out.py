@@ -25,12 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import kvlease_serve, prometheus
 from waiting import until
 
-from dashboard.data import PrometheusSource
-from engine.affinity import session_rank
-from engine.tenancy import TierTable
-from exporters.metrics import BUDGET_USED, REQUESTS, TOKENS
-from grafana.build import usage_panels
-from server.cli import main
+from kvlease.dashboard.data import PrometheusSource
+from kvlease.engine.affinity import session_rank
+from kvlease.engine.tenancy import TierTable
+from kvlease.exporters.metrics import BUDGET_USED, REQUESTS, TOKENS
+from kvlease.grafana.build import usage_panels
+from kvlease.server.cli import main
 
 pytestmark = pytest.mark.engine
 MODEL = "kvlease-demo"
@@ -173,7 +173,7 @@ def test_sessions_stay_on_their_rank_and_find_their_lease_on_turn_two(fleet):
     kept = {r["request_id"].removesuffix(":retention"): r for r in rows if r not in requests}
     assert {k: r["session_id"] for k, r in kept.items()} == first
     # Reserved or only retained: once three of the tenant's sessions had ended a turn
-    # without coming back yet, its return rate reserved nothing (engine.reservations).
+    # without coming back yet, its return rate reserved nothing (kvlease.engine.reservations).
     held = [float(r["kv_reserved_block_seconds"]) + float(r["kv_retained_block_seconds"])
             for r in kept.values()]  # fmt: skip
     assert all(h > 0 for h in held)

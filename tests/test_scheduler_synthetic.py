@@ -11,10 +11,10 @@ import pytest
 from clocks import ManualClock, OffsetClock
 from engines import recording
 
-from engine.events import TenantHolding
-from engine.fairness import INPUT_COST, OUTPUT_COST
-from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
-from replay.synthetic import make_request, make_scheduler, step
+from kvlease.engine.events import TenantHolding
+from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST
+from kvlease.engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
+from kvlease.replay.synthetic import make_request, make_scheduler, step
 
 TIERS = ("premium", "standard", "free")
 CLASSES = [TenantAwareScheduler, TenantAwareAsyncScheduler]
@@ -205,7 +205,7 @@ def test_scheduler_loads_by_dotted_path_as_plain_vllm_serve_does(demo_model):
     scheduler = make_scheduler(TenantAwareScheduler, demo_model, 24)
     config = scheduler.vllm_config.scheduler_config
     for cls in CLASSES:
-        config.scheduler_cls = f"engine.vllm_scheduler.{cls.__name__}"
+        config.scheduler_cls = f"kvlease.engine.vllm_scheduler.{cls.__name__}"
         assert config.get_scheduler_cls() is cls
 
 
@@ -292,7 +292,7 @@ def test_a_free_request_as_long_as_the_unreserved_pool_completes_beside_full_lea
 
 
 def test_a_tier_table_whose_caps_crowd_out_one_request_is_refused_at_start(demo_model, tmp_path):
-    from engine.settings import SettingsError
+    from kvlease.engine.settings import SettingsError
 
     greedy = (Path(__file__).parent.parent / "engine" / "tiers.toml").read_text()
     greedy = greedy.replace("leased_cache_cap = 0.2", "leased_cache_cap = 0.6")
@@ -431,7 +431,7 @@ def test_fair_share_off_serves_a_tier_first_come_first_served(demo_model):
 def _capped_tiers(tmp_path: Path, share: float) -> str:
     from importlib import resources
 
-    text = resources.files("engine").joinpath("tiers.toml").read_text()
+    text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
     text = text.replace("[tiers.free]\n", f"[tiers.free]\nmax_tenant_kv_share = {share}\n")
     path = tmp_path / "tiers.toml"
     path.write_text(text)
@@ -462,7 +462,7 @@ def test_a_tenant_at_its_kv_cap_waits_or_preempts_itself_never_another(cls, demo
 
 
 def test_a_kv_share_too_small_for_one_request_is_refused_at_start(demo_model, tmp_path):
-    from engine.settings import SettingsError
+    from kvlease.engine.settings import SettingsError
 
     with pytest.raises(SettingsError, match="max_tenant_kv_share lets one tenant hold 6 of 63"):
         make_scheduler(

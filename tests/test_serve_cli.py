@@ -13,7 +13,7 @@ def _serve(*args, env_secret=True, env_extra=None):
     if env_secret:
         env["KVLEASE_JWT_SECRET"] = "s" * 48
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", *args],
+        [sys.executable, "-m", "kvlease", "serve", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -47,7 +47,7 @@ def _serve_pool(
 ) -> subprocess.CompletedProcess:
     argv = ["serve", "--num-blocks", blocks, "--max-model-len", max_model_len, "--port", "1"]
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *argv, *more],
+        [sys.executable, "-m", "kvlease", *argv, *more],
         env={**os.environ, "KVLEASE_JWT_SECRET": "s" * 48, "KVLEASE_HOME": str(kvlease_home)},
         capture_output=True,
         text=True,
@@ -78,7 +78,7 @@ def test_serve_refuses_a_tenant_kv_share_smaller_than_one_request(kvlease_home, 
     from importlib import resources
 
     tiers = tmp_path / "tiers.toml"
-    text = resources.files("engine").joinpath("tiers.toml").read_text()
+    text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
     tiers.write_text(text.replace("[tiers.free]\n", "[tiers.free]\nmax_tenant_kv_share = 0.1\n"))
     done = _serve_pool(kvlease_home, "64", "512", "--tiers", str(tiers))
     assert done.returncode == 2
@@ -108,7 +108,7 @@ def test_serve_refuses_a_bad_budget_file(tmp_path):
 def _shape(**given):
     import argparse
 
-    from server.serve import EXTERNAL_LB_FLAGS
+    from kvlease.server.serve import EXTERNAL_LB_FLAGS
 
     flags = {f.removeprefix("--").replace("-", "_"): None for f in EXTERNAL_LB_FLAGS}
     flags |= {"headless": False, "data_parallel_external_lb": False}
@@ -119,8 +119,8 @@ def _shape(**given):
 
 
 def test_data_parallel_defaults_to_an_api_process_per_rank_sharing_one_salt(monkeypatch):
-    from server.middleware import DATA_PARALLEL_ENV, SALT_KEY_ENV
-    from server.serve import scale_out
+    from kvlease.server.middleware import DATA_PARALLEL_ENV, SALT_KEY_ENV
+    from kvlease.server.serve import scale_out
 
     monkeypatch.delenv(SALT_KEY_ENV, raising=False)
     monkeypatch.delenv(DATA_PARALLEL_ENV, raising=False)
@@ -140,8 +140,8 @@ def test_data_parallel_defaults_to_an_api_process_per_rank_sharing_one_salt(monk
      {"data_parallel_start_rank": 2}, {"api_server_count": 0}],
 )  # fmt: skip
 def test_load_balancing_kvlease_cannot_keep_sessions_in_is_one_line(monkeypatch, given):
-    from server.middleware import DATA_PARALLEL_ENV, ConfigError
-    from server.serve import scale_out
+    from kvlease.server.middleware import DATA_PARALLEL_ENV, ConfigError
+    from kvlease.server.serve import scale_out
 
     monkeypatch.delenv(DATA_PARALLEL_ENV, raising=False)
     with pytest.raises(ConfigError) as err:

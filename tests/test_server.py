@@ -95,7 +95,7 @@ def test_a_tenant_past_its_budget_gets_429_budget_exceeded_in_openai_shape(serve
 
     from records import rec
 
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     now = time.time()
     spent = replace(rec(7, "spender", "standard"), started_at=now - 2, ended_at=now)
@@ -120,9 +120,9 @@ def test_a_burst_cannot_spend_past_a_block_budget(server, usage_db):
     served and billed 1,837% of a budget)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.tenancy import TierTable
-    from exporters.billing import record_cost
-    from exporters.ledger import UsageLedger
+    from kvlease.engine.tenancy import TierTable
+    from kvlease.exporters.billing import record_cost
+    from kvlease.exporters.ledger import UsageLedger
 
     headers = server.headers("burst", "premium")
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "ignore_eos": True}
@@ -168,7 +168,7 @@ def test_a_warned_tenant_past_its_budget_is_served_with_a_header(server):
 
 
 def test_a_session_header_reaches_the_ledger_through_the_openai_client(server, usage_db):
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     c = openai.OpenAI(
         base_url=f"{server.url}/v1",
@@ -438,7 +438,7 @@ def test_a_client_disconnecting_mid_stream_frees_its_blocks_and_is_billed_once(s
 
 
 def _records_of(usage_db: str, tenant: str, wait_for: int = 0, timeout: float = 15) -> list:
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     ledger = UsageLedger(usage_db)
     deadline = time.monotonic() + timeout

@@ -1,9 +1,9 @@
 import pytest
 
-from engine.accounting import AccountingError, TenantAccounting
-from engine.events import TenantHolding
-from engine.policy import VictimRule
-from engine.settings import SchedulerSettings, SettingsError
+from kvlease.engine.accounting import AccountingError, TenantAccounting
+from kvlease.engine.events import TenantHolding
+from kvlease.engine.policy import VictimRule
+from kvlease.engine.settings import SchedulerSettings, SettingsError
 
 
 def test_defaults():

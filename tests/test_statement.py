@@ -1,4 +1,4 @@
-"""One tenant's statement (`exporters.statement`): priced lines that are the FOCUS rows,
+"""One tenant's statement (`kvlease.exporters.statement`): priced lines that are the FOCUS rows,
 a stable number, a named period, a CSV whose total has its own row type, and a page that
 fits A4 portrait when Chromium prints it."""
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from records import NOV, rec, retention
 
-from exporters import money
-from exporters.billing import Account
-from exporters.exports import export_chunks
-from exporters.ledger import UsageLedger
-from exporters.statement import period_name, statement, to_csv, to_html
+from kvlease.exporters import money
+from kvlease.exporters.billing import Account
+from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.ledger import UsageLedger
+from kvlease.exporters.statement import period_name, statement, to_csv, to_html
 
 DEC = NOV + 30 * 86400
 SELLER = Account("acct-1", "Example Inference Ltd", "kvlease")

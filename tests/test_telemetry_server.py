@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import prometheus, start, wait_for_series
 from waiting import until
 
-from exporters.metrics import FAMILIES
+from kvlease.exporters.metrics import FAMILIES
 
 pytestmark = pytest.mark.engine
 TIERS = ("premium", "standard", "free")
@@ -81,7 +81,7 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "kvlease",
             "serve",
             "--num-blocks",
             "64",
@@ -253,7 +253,7 @@ def test_spans_of_the_pressure_workload_carry_preemption_events(loaded, otlp):
 
 def _ledger_records(usage_db, outcome=lambda o: o != "retention"):
     """The requests' records (retention records: `outcome=lambda o: o == "retention"`)."""
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     return [r for r in UsageLedger(usage_db).read(0, 4e9) if outcome(r.outcome)]
 
@@ -301,7 +301,7 @@ def test_every_answered_request_has_exactly_one_usage_record(loaded, usage_db):
 
 
 def test_the_record_is_committed_before_the_response_completes(loaded, usage_db):
-    from exporters.ledger import UsageLedger
+    from kvlease.exporters.ledger import UsageLedger
 
     ledger = UsageLedger(usage_db)
     for i in range(3):
@@ -367,7 +367,7 @@ def test_usage_routes_respect_roles_and_tenants(loaded, usage_db, tmp_path):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "kvlease",
             "usage",
             "export",
             "--usage-db",
@@ -533,7 +533,7 @@ def test_every_generation_route_of_vllms_router_is_billed_or_refused(loaded):
     """Every POST route vLLM serves to tenants is one kvlease bills (its usage record held
     to its response), knows makes no engine request, or refuses. A vLLM that adds a route
     fails here until it is classified."""
-    from server.middleware import (
+    from kvlease.server.middleware import (
         GENERATION_PATHS,
         REFUSED_PATHS,
         makes_engine_requests,

@@ -2,7 +2,7 @@ from decimal import Decimal
 
 import pytest
 
-from engine.tenancy import TenantContext, TierConfigError, TierTable
+from kvlease.engine.tenancy import TenantContext, TierConfigError, TierTable
 
 VALID = """
 currency = "EUR"
@@ -37,7 +37,7 @@ def test_shipped_default_has_three_tiers_in_priority_order(tiers):
 
 
 def test_a_tier_reserves_while_its_sessions_are_likely_back_unless_told_otherwise(tmp_path):
-    from engine.reservations import ReserveMode, ReservePolicy
+    from kvlease.engine.reservations import ReserveMode, ReservePolicy
 
     assert TierTable.load()["premium"].reservation == ReservePolicy()  # auto, 0.9, 60 s, 0.5
     path = tmp_path / "tiers.toml"
@@ -56,7 +56,7 @@ def test_prices_are_exact_decimals_even_when_written_as_floats():
 
 
 def test_kv_retention_prices_default_to_the_block_hour_reserved_and_nothing_retained():
-    from engine.tenancy import Prices
+    from kvlease.engine.tenancy import Prices
 
     table = TierTable.from_toml(VALID)
     gold = table["gold"].prices

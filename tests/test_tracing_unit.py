@@ -11,10 +11,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine.events import LeaseEvent, Preemption, RequestDone
-from engine.tenancy import TenantContext
-from exporters.join import InFlight, RequestJoin
-from exporters.tracing import SpanBuilder
+from kvlease.engine.events import LeaseEvent, Preemption, RequestDone
+from kvlease.engine.tenancy import TenantContext
+from kvlease.exporters.join import InFlight, RequestJoin
+from kvlease.exporters.tracing import SpanBuilder
 
 KVL = "kvl-" + "ab" * 16
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

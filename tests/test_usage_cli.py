@@ -11,8 +11,9 @@ import pytest
 from records import NOV
 from servers import free_port
 
-from exporters.ledger import LedgerError, UsageLedger, redact
-from server.cli import main
+from kvlease.exporters.billing import RAW_COLUMNS
+from kvlease.exporters.ledger import LedgerError, UsageLedger, redact
+from kvlease.server.cli import main
 
 
 def _export(capsys, *args: str) -> tuple[int, str]:
@@ -80,7 +81,7 @@ def test_passwords_are_hidden_in_ledger_urls():
 @pytest.mark.parametrize("command", ["export", "import"])
 def test_a_url_of_another_database_is_one_line(tmp_path, capsys, command):
     raw = tmp_path / "in.csv"
-    raw.write_text(",".join(__import__("exporters.billing").billing.RAW_COLUMNS) + "\n")
+    raw.write_text(",".join(RAW_COLUMNS) + "\n")
     args = ["usage", "import", str(raw)] if command == "import" else ["usage", "export"]
     assert main([*args, "--usage-db", "mysql://x"]) == 2
     err = capsys.readouterr().err
@@ -95,7 +96,6 @@ def test_a_sqlite_url_with_a_driver_creates_nothing_for_a_reader(tmp_path, capsy
 
 
 def test_import_into_a_ledger_that_does_not_exist_needs_create(tmp_path, capsys):
-    from exporters.billing import RAW_COLUMNS
 
     raw = tmp_path / "in.csv"
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
@@ -144,7 +144,7 @@ def test_an_empty_export_says_so_on_stderr_and_exits_1(november_ledger, tmp_path
 
 
 def test_the_summary_has_a_row_per_tenant_with_its_statements_total(november_ledger, tiers, capsys):
-    from exporters.statement import statement
+    from kvlease.exporters.statement import statement
 
     assert main(["usage", "export", "--month", "2026-11", "--format", "summary",
                  "--usage-db", november_ledger.url]) == 0  # fmt: skip
@@ -166,7 +166,6 @@ def test_the_summary_has_a_row_per_tenant_with_its_statements_total(november_led
 
 
 def test_recomputed_tokens_by_cause_are_imported_only_when_they_add_up(tmp_path, capsys):
-    from exporters.billing import RAW_COLUMNS
 
     times = "2026-11-02T10:00:00Z,2026-11-02T10:00:05Z"
     row = "kvl-{},acme,free,,m," + times + ",10,5,3,120,1,1.5,completed,False,,0,0,0,{}"

@@ -2,7 +2,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
-from engine.waiting_queue import TenantWaitingQueue
+from kvlease.engine.waiting_queue import TenantWaitingQueue
 
 
 class Req:

@@ -1,4 +1,4 @@
-"""The What if view's pieces (`dashboard.whatif`): the headline names the change, dropped
+"""The What if view's pieces (`kvlease.dashboard.whatif`): the headline names the change, dropped
 turns are said, the current side is set against the real bill, progress moves, and no
 replay child or folder outlives its page or its dashboard."""
 
@@ -13,8 +13,8 @@ from decimal import Decimal
 
 from records import NOV, rec
 
-from dashboard import usage, whatif
-from exporters.ledger import UsageLedger
+from kvlease.dashboard import usage, whatif
+from kvlease.exporters.ledger import UsageLedger
 
 
 def _report(**settings) -> dict:
@@ -114,7 +114,7 @@ def test_a_job_no_page_polls_is_stopped_with_its_child():
 def test_folders_a_killed_dashboard_left_are_removed_and_their_replay_ended(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # a dashboard that no longer runs
-    child = _sleeper("-m", "server.cli", "replay")
+    child = _sleeper("-m", "kvlease", "replay")
     stale = tmp_path / f"{whatif.FOLDER_PREFIX}stale"
     stale.mkdir()
     (stale / whatif.OWNER_FILE).write_text(str(gone.pid))

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from demo.workload import (
+from kvlease.demo.workload import (
     WorkloadSpec,
     describe,
     generate,

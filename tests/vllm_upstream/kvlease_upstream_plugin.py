@@ -21,7 +21,7 @@ STOCK = os.environ.get("KVLEASE_UPSTREAM_STOCK") == "1"
 
 
 def _swap(module) -> None:
-    from engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
+    from kvlease.engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
 
     if getattr(module, "Scheduler", None) is Scheduler:
         module.Scheduler = TenantAwareScheduler
