@@ -8,11 +8,11 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from waiting import until, wait
 
 from bench.postgres import free_port
 from kvlease.demo.prometheus import config_text
@@ -97,8 +97,8 @@ def start(
         start_new_session=True,
     )
     server = Server(proc, port, secret, log)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(
                 f"server exited with {proc.returncode}; log:\n{log.read_text()[-4000:]}"
@@ -108,9 +108,10 @@ def start(
         except httpx.HTTPError:
             status = 0
         server.startup_statuses.append(status)
-        if status == 200:
-            return server
-        time.sleep(0.25)
+        return status == 200
+
+    if wait(healthy, timeout, interval=0.25):
+        return server
     server.stop(signal.SIGKILL)
     raise TimeoutError(f"server did not become healthy; log:\n{log.read_text()[-4000:]}")
 
@@ -152,12 +153,7 @@ def prometheus(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.25)
+        until(lambda: answers(f"{url}/-/ready"), f"Prometheus ready at {url}", 60, 0.25)
         yield url
     finally:
         proc.terminate()
@@ -166,11 +162,18 @@ def prometheus(
 
 def wait_for_series(url: str, query: str, timeout: float = 60) -> list:
     """Poll an instant query until it returns at least one series."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def series() -> list:
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
             r = httpx.get(f"{url}/api/v1/query", params={"query": query}, timeout=5)
-            if result := r.json()["data"]["result"]:
-                return result
-        time.sleep(0.5)
-    raise TimeoutError(f"Prometheus at {url} returned nothing for {query}")
+            return r.json()["data"]["result"]
+        return []
+
+    return until(series, f"Prometheus at {url} returns a series for {query}", timeout, 0.5)
+
+
+def answers(url: str) -> bool:
+    """`url` answers 200 (no answer yet is not an error)."""
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=2).status_code == 200
+    return False

@@ -11,14 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
-from servers import free_port, prometheus, wait_for_series
+from servers import answers, free_port, prometheus, wait_for_series
 from streamlit.testing.v1 import AppTest
 from traffic import Traffic
+from waiting import until
 
 from kvlease.dashboard import data
 from kvlease.dashboard.launch import APP
@@ -108,12 +107,7 @@ def dashboard(server, pressured_ledger, prom, tmp_path_factory):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/_stcore/health", timeout=2).text == "ok":
-                    break
-            time.sleep(0.25)
+        until(lambda: answers(f"{url}/_stcore/health"), "the dashboard answers", 60, 0.25)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -200,8 +194,9 @@ def test_prometheus_as_the_source_gives_the_same_tenants(server, traffic, monkey
 def test_browser_downloads_the_cli_csv_from_the_usage_page(
     server, traffic, dashboard, browser, pressured_ledger, tmp_path
 ):
-    traffic.halt()  # the ledger must hold still to be compared
-    time.sleep(1.0)
+    # The ledger must hold still to be compared: halt() joins every client, and each
+    # request's record is committed before its response's last byte.
+    traffic.halt()
     page = browser.new_page(viewport={"width": 1440, "height": 1500}, accept_downloads=True)
     page.goto(f"{dashboard}/?page=usage", wait_until="domcontentloaded")
     button = page.get_by_role("button", name="Download FOCUS CSV")

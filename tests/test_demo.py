@@ -6,19 +6,20 @@ Nothing here depends on the machine's speed: the demo's pressure is set in token
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port
+from waiting import until, wait
 
 from kvlease.exporters.ledger import UsageLedger
 
@@ -62,15 +63,16 @@ def demo_run(tmp_path_factory):
     argv += ["--port", str(port), "--prometheus-port", str(free_port())]
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     last_metrics = ""
-    deadline = time.monotonic() + 1200  # a hang, not a slow machine
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
+
+    def scraped_until_it_exits() -> bool:
+        nonlocal last_metrics
+        with contextlib.suppress(httpx.HTTPError):
             r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
             if r.status_code == 200:
                 last_metrics = r.text
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
+        return proc.poll() is not None
+
+    wait(scraped_until_it_exits, 1200, interval=2)  # 1200 s: a hang, not a slow machine
     if proc.poll() is None:
         proc.kill()
     out.close()
@@ -147,9 +149,7 @@ def test_metrics_showed_free_tier_preempted_and_premium_never(demo_run):
 
 def test_no_process_is_left_behind(demo_run):
     home = demo_run[0]
-    deadline = time.monotonic() + 10
-    while _processes_of(home) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait(lambda: not _processes_of(home), 10, interval=0.5)
     assert _processes_of(home) == []
 
 
@@ -173,17 +173,17 @@ def test_ctrl_c_while_the_engine_starts_stops_everything_and_says_it_never_serve
     argv += ["--port", str(port), "--prometheus-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 900
-        while not _starting(f"http://127.0.0.1:{port}") and time.monotonic() < deadline:
+
+        def starting() -> bool:
             assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
+            return _starting(f"http://127.0.0.1:{port}")
+
+        until(starting, "the server's placeholder answers 503", 900, 0.5)
         proc.send_signal(signal.SIGINT)
         code = proc.wait(120)
     output = log.read_text()
     assert code == 0, output[-3000:]
     assert "interrupted" in output and "kvlease demo summary" in output
     assert "the engine never served" in output
-    deadline = time.monotonic() + 10
-    while _processes_of(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait(lambda: not _processes_of(tmp_path), 10, interval=0.5)
     assert _processes_of(tmp_path) == []

@@ -7,13 +7,13 @@ import json
 import re
 import shutil
 import subprocess
-import time
 
 import httpx
 import pytest
 import yaml
 from servers import prometheus, wait_for_series
 from traffic import Traffic
+from waiting import wait
 
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters.metrics import FAMILIES
@@ -223,7 +223,6 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(server, prom):
     with Traffic(server, MIXED) as load:
         load.wait_for(12)
         wait_for_series(prom, 'vllm_tenant_cached_block_evictions_total{tier="free"}')
-        time.sleep(3)  # a few scrapes of the load
         empty = _without_data(prom, [(w, e) for w, e in _all_queries() if w[:5] != "alert"])
         premium_alert = _query(prom, _substitute(_rule("KvleasePremiumPreempted")["expr"]))
     assert load.errors == []
@@ -235,13 +234,15 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(server, prom):
 def _without_data(prom: str, queries: list[tuple[str, str]], patience: float = 120) -> list:
     """The queries that return no data, asked again while any is empty: on two busy cores
     a scrape can miss its 1 s timeout, and an instant gauge is then briefly absent."""
-    deadline = time.monotonic() + patience
-    while True:
-        empty = [(w, e) for w, e in queries if not _query(prom, _substitute(e))]
-        if not empty or time.monotonic() > deadline:
-            return [w for w, _ in empty]
-        queries = empty
-        time.sleep(2)
+    empty = list(queries)
+
+    def all_answer() -> bool:
+        nonlocal empty
+        empty = [(w, e) for w, e in empty if not _query(prom, _substitute(e))]
+        return not empty
+
+    wait(all_answer, patience, interval=2)
+    return [w for w, _ in empty]
 
 
 def _rule(name: str) -> dict:
@@ -254,9 +255,7 @@ def test_premium_preemptions_fire_the_alert(server, prom):
     premium must be preempted, and Prometheus must see the alert fire."""
     premium_only = [(f"premium-p{i}", "premium") for i in range(6)]
     with Traffic(server, premium_only, max_tokens=400) as load:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not _firing(prom, "KvleasePremiumPreempted"):
-            time.sleep(1)
+        wait(lambda: _firing(prom, "KvleasePremiumPreempted"), 180, interval=1)
     assert load.errors == []
     assert _firing(prom, "KvleasePremiumPreempted")
     [series] = _query(prom, _substitute(_rule("KvleasePremiumPreempted")["expr"]))

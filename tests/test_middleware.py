@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import pytest
+from waiting import ticks_until
 
 from kvlease.engine.auth import Authenticator, mint_token
 from kvlease.server.middleware import ServerConfig, TenantMiddleware, engine_requests, route_class
@@ -251,7 +252,7 @@ def test_a_tenant_over_its_tier_concurrency_cap_gets_429(config, hs_ring, tiers)
 
     async def main():
         tasks = [asyncio.create_task(_post_status(app, auth)) for _ in range(9)]
-        await asyncio.sleep(0.05)
+        await ticks_until(lambda: any(t.done() for t in tasks), "the ninth request refused")
         assert app.in_flight["busy"] == 8
         release.set()
         return sorted(await asyncio.gather(*tasks))
@@ -292,7 +293,7 @@ def test_the_limit_counts_a_request_before_its_body_arrives(config, hs_ring, tie
 
     async def main():
         tasks = [asyncio.create_task(_post_status(app, auth, release)) for _ in range(50)]
-        await asyncio.sleep(0.01)
+        await ticks_until(lambda: sum(t.done() for t in tasks) == 42, "42 refused bodiless")
         release.set()
         return sorted(await asyncio.gather(*tasks))
 
@@ -536,7 +537,7 @@ def test_the_bodies_in_flight_are_bounded_and_released_when_their_requests_end(h
         async def receive():
             nonlocal done
             if done:
-                await asyncio.sleep(3600)
+                await asyncio.Event().wait()  # a client that never sends more
             done = True
             return {"type": "http.request", "body": body, "more_body": False}
 
@@ -549,8 +550,7 @@ def test_the_bodies_in_flight_are_bounded_and_released_when_their_requests_end(h
 
     async def main():
         tasks = [asyncio.create_task(one()) for _ in range(4)]
-        while sum(t.done() for t in tasks) < 2:  # the two refused answer at once
-            await asyncio.sleep(0)
+        await ticks_until(lambda: sum(t.done() for t in tasks) == 2, "two refused at once")
         assert app.body_bytes == 2 * len(body)  # two held, waiting in the app
         release.set()
         statuses = sorted(await asyncio.gather(*tasks))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 from clocks import ManualClock
+from waiting import until
 
 from kvlease.engine.events import RequestDone
 from kvlease.engine.tenancy import TenantContext
@@ -190,8 +190,5 @@ def test_the_background_sweep_delivers_without_further_traffic():
     j.consumers.append(delivered.append)
     j.start(interval=0.01)
     j.engine_event(_done("finished_aborted"))
-    for _ in range(500):
-        if delivered:
-            break
-        time.sleep(0.01)
+    until(lambda: delivered, "the sweep delivers", 5, interval=0.01)
     assert [p.key for p in delivered] == [KVL]

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -125,9 +124,7 @@ def loaded(kvlease_home, tmp_path_factory, otlp, usage_db):
             with ThreadPoolExecutor(12) as pool:
                 assert list(pool.map(one, range(12))) == [200] * 12
             srv.rounds += 1
-        deadline = time.monotonic() + 30
-        while srv.admin_state()["running"] and time.monotonic() < deadline:
-            time.sleep(0.25)
+        until(lambda: not srv.admin_state()["running"], "the engine drained", 30, 0.25)
         yield srv
     finally:
         srv.stop(signal.SIGKILL)
@@ -224,12 +221,9 @@ def test_spans_follow_genai_conventions_and_honour_an_incoming_traceparent(loade
         },
     )
     assert r.status_code == 200
-    deadline = time.monotonic() + 30
-    mine = []
-    while not mine and time.monotonic() < deadline:
-        mine = [s for s in otlp.spans if s.trace_id.hex() == trace_id]
-        time.sleep(0.2)
-    [span] = mine
+    [span] = until(
+        lambda: [s for s in otlp.spans if s.trace_id.hex() == trace_id], "the span", 30, 0.2
+    )
     assert span.parent_span_id.hex() == parent_id
     assert span.name == "chat kvlease-demo"
     a = _attributes(span)

@@ -6,6 +6,7 @@ import threading
 import time
 
 import openai
+from waiting import until
 
 
 class Traffic:
@@ -29,9 +30,7 @@ class Traffic:
         self.halt()
 
     def wait_for(self, completed: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while self.completed < completed and time.monotonic() < deadline:
-            time.sleep(0.5)
+        until(lambda: self.completed >= completed, f"{completed} chats completed", timeout, 0.5)
 
     def halt(self) -> None:
         self.stop.set()
@@ -62,4 +61,4 @@ class Traffic:
             except openai.APIError as err:
                 with self._lock:
                     self.errors.append(f"{tenant}: {err}")
-                time.sleep(0.5)
+                time.sleep(0.5)  # a back-off before the next chat

@@ -3,6 +3,7 @@ turns a hang into a failure (never a measure of speed)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,3 +24,13 @@ def until(check: Callable[[], T], what: str, seconds: float = 120, interval: flo
     result = wait(check, seconds, interval)
     assert result, f"never happened: {what}"
     return result
+
+
+async def ticks_until(check: Callable[[], object], what: str, ticks: int = 100_000) -> None:
+    """Yield to the event loop until `check()` holds: counted in loop turns, not seconds,
+    so a busy machine cannot make it pass or fail."""
+    for _ in range(ticks):
+        if check():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened in {ticks} event-loop turns: {what}")
