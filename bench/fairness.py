@@ -126,7 +126,7 @@ def play(engine: Any, steps: int, tenants: dict[str, int], seed: int = 0) -> dic
         shares = getattr(scheduler, "_shares", None)
         account = shares[TIER].accounts.get("heavy") if shares else None
         if account is not None and account.requests:
-            most_held = max(most_held, scheduler._held_blocks(account)[0])
+            most_held = max(most_held, scheduler.kvlease.held_blocks(account)[0])
     service = {t: scheduler.service[t] - base.get(t, 0.0) for t in TENANTS}
     llm.abort_request(list(outstanding))  # leave the engine empty for the next way
     while llm.has_unfinished_requests():
@@ -141,7 +141,9 @@ def play(engine: Any, steps: int, tenants: dict[str, int], seed: int = 0) -> dic
         "service_per_step": total / measured,
         "output_tokens_per_step": output_tokens / measured,
         "most_blocks_held_by_heavy": most_held,
-        "cap_blocks": scheduler._kv_caps.get(TIER) if hasattr(scheduler, "_kv_caps") else None,
+        "cap_blocks": kvlease.kv_caps.get(TIER)
+        if (kvlease := getattr(scheduler, "kvlease", None))
+        else None,
     }
 
 

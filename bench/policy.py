@@ -112,7 +112,7 @@ def play(
     if hasattr(scheduler, "leases"):  # kvlease's lease clock follows the steps of this run
         scheduler.forget_history()  # no think times or payback yet, as on a fresh server
         origin = time.monotonic() + 10_000.0 * (1 + _runs(scheduler))  # past every older lease
-        scheduler.clock = lambda: origin + step / steps_per_second
+        scheduler.kvlease.clock = lambda: origin + step / steps_per_second
     live: dict[str, Request] = {}
     done: list[Request] = []
     busy_wall = 0.0

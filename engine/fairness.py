@@ -150,15 +150,21 @@ class FairShare:
                 del self.accounts[a.tenant]
 
     def shares(self) -> dict[str, tuple[float, float, float]]:
-        """Per backlogged tenant: its counter, the service it received since the last call
-        (or since it became backlogged), and its entitlement over the same time: its
+        """Per backlogged tenant: its counter, the service it received since the last
+        `settle()` (or since it became backlogged), and its entitlement over the same time: its
         weight's part of what every backlogged tenant of the tier received. Served over
         entitled is its fair-share ratio: 1.0 its share exactly, 0.5 half of it."""
         backlogged = [a for a in self.accounts.values() if a.waiting]
         total = sum(a.served - a.mark for a in backlogged)
         weights = sum(a.weight for a in backlogged)
-        out: dict[str, tuple[float, float, float]] = {}
-        for a in backlogged:
-            out[a.tenant] = (a.counter, a.served - a.mark, total * a.weight / weights)
-            a.mark = a.served
+        return {
+            a.tenant: (a.counter, a.served - a.mark, total * a.weight / weights) for a in backlogged
+        }
+
+    def settle(self) -> dict[str, tuple[float, float, float]]:
+        """`shares()`, after which each backlogged tenant's service counts anew."""
+        out = self.shares()
+        for a in self.accounts.values():
+            if a.tenant in out:
+                a.mark = a.served
         return out

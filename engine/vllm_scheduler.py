@@ -33,9 +33,7 @@ as little of vLLM as it can and copies none of `schedule()`:
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
-import itertools
 import logging
 import math
 import time
@@ -57,14 +55,11 @@ from vllm.v1.core.sched.request_queue import (  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvlease.engine.accounting import TenantAccounting  # noqa: E402
 from kvlease.engine.channel import Publisher  # noqa: E402
 from kvlease.engine.events import (  # noqa: E402
     NO_CAUSE,
     EngineState,
-    EventBuffer,
     Eviction,
-    FairShareRow,
     Lease,
     LeaseEvent,
     LeaseSummary,
@@ -74,10 +69,9 @@ from kvlease.engine.events import (  # noqa: E402
     TenantHolding,
     Totals,
 )
-from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST, Account, FairShare  # noqa: E402
+from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST, Account  # noqa: E402
 from kvlease.engine.free_queue import Holder, TenantFreeBlockQueue  # noqa: E402
-from kvlease.engine.labels import UNCLASSIFIED, TenantLabels  # noqa: E402
-from kvlease.engine.leases import LeaseBook  # noqa: E402
+from kvlease.engine.labels import UNCLASSIFIED  # noqa: E402
 from kvlease.engine.payback import PaybackTuner  # noqa: E402
 from kvlease.engine.policy import (  # noqa: E402
     Candidate,
@@ -93,7 +87,7 @@ from kvlease.engine.policy import (  # noqa: E402
     within_class_key,
 )
 from kvlease.engine.reservations import ReturnModel  # noqa: E402
-from kvlease.engine.retention import RetentionMeter  # noqa: E402
+from kvlease.engine.scheduler_state import KvleaseState, blocks_for  # noqa: E402
 from kvlease.engine.settings import SchedulerSettings, SettingsError  # noqa: E402
 from kvlease.engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
 
@@ -112,8 +106,7 @@ class Tenancy:
     tier: str | None
     session_id: str | None
     rank: tuple[int, int, int]  # kvlease.engine.policy.protection_rank
-    bucket: int  # waiting-queue rank: tier order, unclassified last
-    seq: int
+    bucket: int  # its waiting-queue bucket: tier order, unclassified last
     holder: Holder | None
     reserve_from: int  # leasing tiers whose reservations it may take (free queue `reserve`)
     key: tuple  # kvlease.engine.policy.service_key, renewed at each admission into `running`
@@ -188,35 +181,15 @@ class _DeferredFrees(deque):
 class TenantSchedulingMixin:
     """Tenant-aware preemption, lease reservations and accounting for a vLLM Scheduler.
 
-    State and its invariants (checked by the synthetic and real-engine tests; with
-    `debug_accounting` the block books are checked every step):
-    - `_tenancy`: request id -> `Tenancy`, for exactly the requests vLLM holds (waiting,
-      running or preempted); added in `add_request` (or on first sight, for a request
-      vLLM's own code puts in `running` directly), removed in `_free_request`. O(1) per
-      lookup; memory O(requests).
-    - `_holders`: (tenant, session) -> `Holder`, the owner of that session's cached blocks in
-      the free queue. A holder exists while it has a request in flight, a running lease, or
-      cached blocks (`_forget_if_idle` drops it otherwise), so memory is O(live sessions +
-      sessions with cached blocks), never O(sessions ever seen).
+    Its state is one attribute, `self.kvlease` (`KvleaseState`: its fields and their
+    invariants are listed there), so nothing of kvlease's lands in vLLM's namespace but
+    that name and the containers it replaces for vLLM:
     - `running`: a `_RunningList` in service order (class, then admission). Admission is
       O(1) when the request joins the last class present, else O(log n) + memmove. The
       victim is chosen only when vLLM's allocation fails: O(requests of the lowest class).
     - `waiting`: a `TenantWaitingQueue` (tier order, then vLLM's queue per tier): add and
       prepend O(1) (FCFS) or O(log n) (priority), peek and pop O(tiers) more.
-    - `_deferred_owner`: id(blocks list) -> Holder for each deferred free vLLM still holds;
-      emptied as vLLM drains them. `_delayed`: finished requests whose blocks a connector
-      still reads -> their Holder. `_awaiting_hit`: leased next turns not yet scheduled
-      (their prefix-cache hit is read when they are). Each O(requests concerned).
-    - `returns`: turns, returns and think times by session (forgotten with its lease),
-      tenant label and tier (kvlease.engine.reservations). `_windows`: a heap of reservation
-      ends (until, seq, session); an entry whose holder has since renewed its window
-      (`reserved_until` differs) is skipped. O(log n) per turn.
-    - `_payback`: each leasing tier's reservation cap and what its reservation has
-      returned and cost (kvlease.engine.payback); O(tiers) a step.
-    - `retention`: the open time-between-turns of each leased session, metered into
-      reserved and retained block-seconds (kvlease.engine.retention); O(open episodes) a sample.
-    - `accounting` holds cumulative totals, exact whatever happens to `events`
-      (bounded; overflow counted in `events.dropped`).
+    - `deferred_frees`: a `_DeferredFrees`, telling the state whose blocks vLLM returns.
     Per step the mixin adds O(1) work plus one wrapper call per allocation; the admission
     check looks past `running[-1]` only when a lower class runs than the waiting head;
     sampling walks held blocks every `sample_seconds`, off the per-step path.
@@ -224,107 +197,74 @@ class TenantSchedulingMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.settings = SchedulerSettings.load(self.vllm_config.additional_config)
-        tiers = self.settings.tiers
-        self.clock = time.monotonic
-        self.leases = LeaseBook(clock=lambda: self.clock())
-        self.returns = ReturnModel()  # when sessions come back: the reservation window
-        override = self.settings.reserve  # KVLEASE_RESERVE: every tier's mode at once
-        self._reserve_policy = {
-            name: tier.reservation
-            if override is None
-            else dataclasses.replace(tier.reservation, mode=override)
-            for name, tier in tiers.items()
-        }
-        self._windows: list[tuple[float, int, Hashable]] = []  # reservation ends, a heap
-        self.retention = RetentionMeter(self.vllm_config.model_config.served_model_name)
-        self.events = EventBuffer(self.settings.event_capacity)
-        self.accounting = TenantAccounting()
-        self._label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
-        self._tenant_tiers: dict[str, str] = {}  # tenant label -> the tier it last came with
-        self._tenancy: dict[str, Tenancy] = {}
-        self._holders: dict[Hashable, Holder] = {}
-        self._seq = itertools.count()
-        self._admissions = itertools.count()
-        self._preempt_reason = "kv_pressure"
-        self._last_sample = float("-inf")
-        self._steps = 0  # schedule() calls: generated tokens are charged every CHARGE_STEPS
-        self._bucket = {name: i for i, name in enumerate(tiers)}  # tiers are in priority order
+        settings = SchedulerSettings.load(self.vllm_config.additional_config)
+        kv = self.kvlease = KvleaseState(settings, self.vllm_config.model_config.served_model_name)
+        tiers = settings.tiers
+        pool = kv.pool = self.kv_cache_manager.block_pool
+        usable = pool.num_gpu_blocks - 1  # vLLM's null block is never handed out
+        request_blocks = blocks_for(self.max_model_len, self.block_size)
 
         # vLLM's policy stays: each tenant's waiting requests are in its order, and under
         # PRIORITY vLLM picks its own victims by (priority, arrival) as stock does.
         # Within a tier, tenants take turns by fair share (kvlease.engine.fairness).
-        self._shares = {name: FairShare() for name in tiers}
-        usable_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
-        self._kv_caps = tiers.tenant_kv_caps(usable_blocks)  # blocks one tenant may hold
-        request_blocks = -(-self.max_model_len // self.block_size)
-        for name, cap in self._kv_caps.items():
-            error = tenant_cap_error(name, cap, usable_blocks, request_blocks)
+        kv.kv_caps = tiers.tenant_kv_caps(usable)
+        for name, cap in kv.kv_caps.items():
+            error = tenant_cap_error(name, cap, usable, request_blocks)
             if error is not None:
                 raise SettingsError(error)
         self.waiting = TenantWaitingQueue(self._bucket_of, len(tiers) + 1, self._make_bucket)
         self.running = _RunningList(self._admitted, self._service_key)
 
-        pool = self.kv_cache_manager.block_pool
-        self._pool = pool
-        usable = pool.num_gpu_blocks - 1  # vLLM's null block is never handed out
         caps = tiers.leased_caps(usable)  # least important leasing tier first
-        self._lease_index = {name: i for i, name in enumerate(caps)}
-        self._caps = list(caps.values())
-        self._reserve_from = {  # a tier's requests may take the reservations of these tiers
+        kv.lease_index = {name: i for i, name in enumerate(caps)}
+        kv.caps = list(caps.values())
+        kv.reserve_from = {  # a tier's requests may take the reservations of these tiers
             tier.name: sum(1 for name in caps if may_take(tier.priority, tiers[name].priority))
             for tier in tiers.values()
         }
-        self._check_lease_caps(list(caps), usable)
-        paybacks = [self._reserve_policy[name].min_payback for name in caps]
-        if not self.settings.reserve_payback:
+        self._check_lease_caps(list(caps), usable, request_blocks)
+        paybacks = [kv.reserve_policy[name].min_payback for name in caps]
+        if not settings.reserve_payback:
             paybacks = [0.0] * len(paybacks)
-        self._payback = PaybackTuner(self._caps, self.block_size, paybacks)
-        self._free_queue = self._install_free_queue()
-        self._allocate = self.kv_cache_manager.allocate_slots  # vLLM's, bound
-        self._wrapped_allocate = self._allocate_slots  # one bound method, compared by identity
-        self._noting_allocate = self._allocate_noting_cause
-        # The request whose allocation is under way: what a preemption or an eviction it
-        # causes is attributed to ("who took whose cache"); None outside allocations.
-        self._cause: Request | None = None
+        kv.payback = PaybackTuner(kv.caps, self.block_size, paybacks)
+        kv.free_queue = self._install_free_queue()
+        kv.allocate = self.kv_cache_manager.allocate_slots  # vLLM's, bound
+        kv.wrapped_allocate = self._allocate_slots  # one bound method, compared by identity
+        kv.noting_allocate = self._allocate_noting_cause
+        kv.request_blocks = self._request_blocks
         # Blocks one step can take beyond one per running request: its token budget, the
         # watermark and one whole request's prefix-cache hit.
-        self._step_blocks = (
-            -(-self.max_num_scheduled_tokens // self.block_size)
+        kv.step_blocks = (
+            blocks_for(self.max_num_scheduled_tokens, self.block_size)
             + self.kv_cache_manager.watermark_blocks
-            + -(-self.max_model_len // self.block_size)
+            + request_blocks
         )
         # A running request's next tokens take at most tokens // block + 1 new blocks, on
         # an engine with one KV cache group (hybrid models always take the full wrapper).
-        one_group = len(self.kv_cache_config.kv_cache_groups) == 1
-        self._most_blocks_for = (
-            (lambda tokens: tokens // self.block_size + 1) if one_group else (lambda _: 1 << 62)
-        )
-        self._deferred_owner: dict[int, Holder | None] = {}  # id(blocks) -> their session
-        self._delayed: dict[str, Holder | None] = {}  # finished, blocks kept for a connector
-        self._awaiting_hit: dict[str, Tenancy] = {}  # leased next turns not yet scheduled
+        if len(self.kv_cache_config.kv_cache_groups) == 1:
+            kv.most_blocks_for = lambda tokens: tokens // self.block_size + 1
         self.deferred_frees = _DeferredFrees(self._deferred_popped)
-        self._cost = _cost_model(self.vllm_config, self.settings)
+        kv.cost = _cost_model(self.vllm_config, settings)
         parallel = self.vllm_config.parallel_config
         # This engine's data-parallel rank: vLLM resets data_parallel_rank to 0 on each
         # independent (non-MoE) rank and keeps the rank in data_parallel_index.
-        self._rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        kv.rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
         # vLLM's count of API processes (`--api-server-count`): each gets every message.
         api_servers = getattr(parallel, "_api_process_count", 1)
-        self._publisher = Publisher.from_env(api_servers, self.settings.event_capacity)
-        self._offload_available = self.vllm_config.kv_transfer_config is not None
+        kv.publisher = Publisher.from_env(api_servers, settings.event_capacity)
+        kv.offload_available = self.vllm_config.kv_transfer_config is not None
         logger.info(
             "kvlease scheduler (rank %d): tiers %s, victim rule %s, pool %d blocks, leased caps %s",
-            self._rank,
+            kv.rank,
             list(tiers),
-            self.settings.victim_rule.value,
+            settings.victim_rule.value,
             usable,
-            dict(zip(self._lease_index, self._caps, strict=True)),
+            dict(zip(kv.lease_index, kv.caps, strict=True)),
         )
-        if self._publisher is not None:
+        if kv.publisher is not None:
             self._publish(with_state=True)  # so /admin/state answers before the first step
 
-    def _check_lease_caps(self, leased_tiers: list[str], usable: int) -> None:
+    def _check_lease_caps(self, leased_tiers: list[str], usable: int, request_blocks: int) -> None:
         """Refuse caps that leave less than one `max_model_len` request unreserved.
 
         vLLM's engine refuses to start unless the pool holds one `max_model_len` request;
@@ -332,42 +272,47 @@ class TenantSchedulingMixin:
         a pool smaller than one request (vLLM's unit tests do) cannot keep that bound with
         any lease at all: there leases reserve nothing, and the log says so.
         """
-        request_blocks = -(-self.max_model_len // self.block_size)
+        kv = self.kvlease
         if request_blocks > usable:
-            if any(self._caps):
+            if any(kv.caps):
                 logger.warning(
                     "kvlease: %d KV blocks hold less than one max_model_len request (%d "
                     "blocks); leases reserve nothing on this pool",
                     usable,
                     request_blocks,
                 )
-            self._caps = [0] * len(self._caps)
+            kv.caps = [0] * len(kv.caps)
             return
-        caps = dict(zip(leased_tiers, self._caps, strict=True))
+        caps = dict(zip(leased_tiers, kv.caps, strict=True))
         error = lease_caps_error(usable, caps, request_blocks)
         if error is not None:
             raise SettingsError(error)
 
     def _install_free_queue(self) -> TenantFreeBlockQueue:
         """Replace the pool's free queue with a tenant queue holding the same blocks, in order."""
-        pool = self._pool
+        kv = self.kvlease
+        pool = kv.pool
         queue = TenantFreeBlockQueue.replacing(
-            pool.free_block_queue, len(pool.blocks), self._payback.caps, self.settings.lease_order
+            pool.free_block_queue,
+            len(pool.blocks),
+            kv.payback.caps,
+            kv.settings.lease_order,
         )
-        self._payback.rebase(queue.reserved_left, queue.reserved_reused)  # it counts anew
+        kv.payback.rebase(queue.reserved_left, queue.reserved_reused)  # it counts anew
         pool.free_block_queue = queue
         return queue
 
     def _make_bucket(self, rank: int) -> Any:
         """Rank `rank`'s waiting queue: per tenant by fair share for a tier (unless
         `fair_share` is off), vLLM's own queue for unclassified requests."""
-        tiers = list(self.settings.tiers)
+        kv = self.kvlease
+        tiers = list(kv.settings.tiers)
         vllm_queue = lambda: create_request_queue(self.policy)  # noqa: E731
-        if rank >= len(tiers) or not self.settings.fair_share:
+        if rank >= len(tiers) or not kv.settings.fair_share:
             return vllm_queue()
         tier = tiers[rank]
-        skip = self._at_kv_cap if tier in self._kv_caps else None
-        return FairBucket(self._shares[tier], self._account_of, vllm_queue, skip)
+        skip = self._at_kv_cap if tier in kv.kv_caps else None
+        return FairBucket(kv.shares[tier], self._account_of, vllm_queue, skip)
 
     def _account_of(self, request: Request) -> Account:
         account = self._tenancy_of(request).account
@@ -376,33 +321,24 @@ class TenantSchedulingMixin:
 
     # -- per-tenant KV cap -------------------------------------------------------
 
-    def _held_blocks(self, account: Account) -> tuple[int, bool]:
-        """Blocks a tenant holds in one tier (its requests' blocks and the leased blocks of
-        their sessions), and whether any of its requests runs. O(its requests); only tiers
-        with a `max_tenant_kv_share` below 1 ask."""
-        held, runs, holders = 0, False, set()
-        for request_id in account.requests:
-            request = self.requests[request_id]
-            held += self._num_blocks(request)
-            runs = runs or request.status is RUNNING
-            holder = self._tenancy[request_id].holder
-            if holder is not None and holder not in holders:
-                holders.add(holder)
-                held += holder.leased
-        return held, runs
+    def _request_blocks(self, request_id: str) -> tuple[int, bool]:
+        """Blocks the request holds and whether it runs (`KvleaseState.held_blocks`)."""
+        request = self.requests[request_id]
+        return self._num_blocks(request), request.status is RUNNING
 
     def _over_kv_cap(self, t: Tenancy, new_blocks: int) -> bool:
         """Would `new_blocks` more take the tenant past its tier's cap? A tenant with
         nothing running is never held back (the cap holds one max_model_len request), so
         a capped tenant always makes progress and never waits on itself."""
+        kv = self.kvlease
         assert t.account is not None and t.tier is not None
-        held, runs = self._held_blocks(t.account)
-        return runs and held + new_blocks > self._kv_caps[t.tier]
+        held, runs = kv.held_blocks(t.account)
+        return runs and held + new_blocks > kv.kv_caps[t.tier]
 
     def _at_kv_cap(self, account: Account, head: Request) -> bool:
         """Skip this tenant's waiting head for now (`FairBucket`): it would pass the cap."""
         t = self._tenancy_of(head)
-        return self._over_kv_cap(t, -(-head.num_tokens // self.block_size))
+        return self._over_kv_cap(t, blocks_for(head.num_tokens, self.block_size))
 
     # -- the running list ----------------------------------------------------
 
@@ -416,17 +352,17 @@ class TenantSchedulingMixin:
     def _service_rank(self, rank: tuple[int, int, int]) -> tuple[int, int, int]:
         """The class `running` is served in: the request's own, or one for every request
         with class-ordered service off (an ablation: vLLM's first come, first served)."""
-        return rank if self.settings.class_service else _ONE_CLASS
+        return rank if self.kvlease.settings.class_service else _ONE_CLASS
 
     def _service_key(self, request: Request) -> tuple:
-        t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
+        t = self.kvlease.tenancy.get(request.request_id) or self._tenancy_of(request)
         return t.key
 
     def _admitted(self, request: Request) -> tuple:
         """vLLM admits `request` into `running`: give it its place (behind its class)."""
         t = self._tenancy_of(request)
         self._restore_offloaded(t)
-        t.key = service_key(self._service_rank(t.rank), next(self._admissions))
+        t.key = service_key(self._service_rank(t.rank), next(self.kvlease.admissions))
         if t.account is not None:  # the prompt (or what a preemption lost) is charged now,
             # so the next admission in this step already sees it (VTC charges at dispatch)
             t.account.charge(INPUT_COST * (request.num_tokens - request.num_computed_tokens))
@@ -435,32 +371,36 @@ class TenantSchedulingMixin:
 
     def _restore_offloaded(self, t: Tenancy) -> None:
         """An offloaded request is running again (or gone): its blocks are no longer off-device."""
+        kv = self.kvlease
         if t.offloaded_blocks:
-            self.accounting.offloaded_blocks[self._label(t.tenant_id)] -= t.offloaded_blocks
+            kv.accounting.offloaded_blocks[kv.label(t.tenant_id)] -= t.offloaded_blocks
             t.offloaded_blocks = 0
 
     def _bucket_of(self, request: Request) -> int:
         return self._tenancy_of(request).bucket
 
     def _tenancy_of(self, request: Request) -> Tenancy:
-        t = self._tenancy.get(request.request_id)
+        kv = self.kvlease
+        t = kv.tenancy.get(request.request_id)
         if t is None:  # vLLM's own code (or a test) put it in a queue without add_request
-            t = self._tenancy[request.request_id] = self._classify(request)
+            t = kv.tenancy[request.request_id] = self._classify(request)
         return t
 
     # -- requests in -----------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id not in self._tenancy:
+        kv = self.kvlease
+        if request.request_id not in kv.tenancy:
             self._expire_leases()
-            self._tenancy[request.request_id] = self._classify(request)
+            kv.tenancy[request.request_id] = self._classify(request)
         super().add_request(request)
 
     def _classify(self, request: Request) -> Tenancy:
+        kv = self.kvlease
         args = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
         tenant_id, tier_name = args.get("tenant_id"), args.get("tier")
         session_id = args.get("session_id")
-        tiers = self.settings.tiers
+        tiers = kv.settings.tiers
         if not isinstance(tenant_id, str) or not tenant_id or tier_name not in tiers:
             if tenant_id is not None:
                 logger.warning(
@@ -470,44 +410,52 @@ class TenantSchedulingMixin:
                     {k: args.get(k) for k in ("tenant_id", "tier", "session_id")},
                 )
             rank = protection_rank(False, False, 0)
-            key = service_key(self._service_rank(rank), next(self._admissions))
-            return Tenancy(None, None, None, rank, len(tiers), next(self._seq), None, 0, key)
+            key = service_key(self._service_rank(rank), next(kv.admissions))
+            return Tenancy(
+                tenant_id=None,
+                tier=None,
+                session_id=None,
+                rank=rank,
+                bucket=len(tiers),
+                holder=None,
+                reserve_from=0,
+                key=key,
+            )
         session_id = session_id if isinstance(session_id, str) else None
         tier = tiers[tier_name]
-        self._tenant_tiers[self._label(tenant_id)] = tier.name
+        kv.tenant_tiers[kv.label(tenant_id)] = tier.name
         rank = protection_rank(True, tier.lease_seconds > 0, tier.priority)
         tenancy = Tenancy(
-            tenant_id,
-            tier.name,
-            session_id,
-            rank,
-            self._bucket[tier.name],
-            next(self._seq),
-            None,
-            self._reserve_from[tier.name],
-            service_key(self._service_rank(rank), next(self._admissions)),
+            tenant_id=tenant_id,
+            tier=tier.name,
+            session_id=session_id,
+            rank=rank,
+            bucket=kv.bucket[tier.name],
+            holder=None,
+            reserve_from=kv.reserve_from[tier.name],
+            key=service_key(self._service_rank(rank), next(kv.admissions)),
         )
-        holder = self._holders.get(tenancy.session)
+        holder = kv.holders.get(tenancy.session)
         if holder is None:
-            holder = self._holders[tenancy.session] = Holder(
-                tenant_id, tier.name, session_id, self._lease_index.get(tier.name)
+            holder = kv.holders[tenancy.session] = Holder(
+                tenant_id, tier.name, session_id, kv.lease_index.get(tier.name)
             )
         holder.in_flight += 1
         tenancy.holder = holder
         if holder.in_flight == 1:
             self._close_retention(holder)  # its next turn: the blocks are in use again
-        tenancy.account = self._shares[tier.name].account(
+        tenancy.account = kv.shares[tier.name].account(
             tenant_id, tier.tenant_weight(args.get("weight")), request.request_id
         )
-        change = self.leases.request_started(tenancy.session, tier.lease_seconds)
+        change = kv.leases.request_started(tenancy.session, tier.lease_seconds)
         if change is not None:
             if change.kind == "renew":
                 if holder.in_flight == 1:  # back between turns: how long it took
-                    label = self._label(tenant_id)
-                    self.returns.turn_started(tenancy.session, label, tier.name, change.at)
+                    label = kv.label(tenant_id)
+                    kv.returns.turn_started(tenancy.session, label, tier.name, change.at)
                 tenancy.lease_covered = self._lease_covered(holder, request)
                 if tenancy.lease_covered:
-                    self._awaiting_hit[request.request_id] = tenancy
+                    kv.awaiting_hit[request.request_id] = tenancy
             holder.protected = True
             self._lease_event(holder, change.kind, change.expires_at, change.at, request)
         return tenancy
@@ -529,11 +477,12 @@ class TenantSchedulingMixin:
     # -- scheduling ------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
+        kv = self.kvlease
         self._expire_leases()  # first: windows and leases end at their own times
-        queue = self._free_queue
-        if self._payback.update(queue.reserved_left, queue.reserved_reused):
-            queue.set_caps(self._payback.caps)
-        if self.clock() - self._last_sample >= self.settings.sample_seconds:
+        queue = kv.free_queue
+        if kv.payback.update(queue.reserved_left, queue.reserved_reused):
+            queue.set_caps(kv.payback.caps)
+        if kv.clock() - kv.last_sample >= kv.settings.sample_seconds:
             # Close the interval before this step allocates: after an idle spell the
             # holdings now are what the idle engine held, not what this step will take.
             self.sample_accounting()
@@ -545,13 +494,13 @@ class TenantSchedulingMixin:
         finally:
             if held:
                 self.waiting.prepend_requests(held)
-        self._steps += 1
-        if self._steps % CHARGE_STEPS == 0:
+        kv.steps += 1
+        if kv.steps % CHARGE_STEPS == 0:
             self._charge_running()
-        if self._awaiting_hit:
+        if kv.awaiting_hit:
             self._note_lease_hits()
         self._report_evictions()
-        self._cause = None  # no request outlives its step here
+        kv.cause = None  # no request outlives its step here
         return output
 
     def _charge_running(self) -> None:
@@ -560,7 +509,7 @@ class TenantSchedulingMixin:
         when it is preempted or finishes, so its tokens are all charged: between two, an
         admission sees each running request's last few tokens uncharged (VTC's bound grows
         by that much), for an eighth of the per-step cost. O(running requests)."""
-        tenancy = self._tenancy
+        tenancy = self.kvlease.tenancy
         for request in self.running:
             t = tenancy.get(request.request_id)
             if t is not None:
@@ -578,25 +527,26 @@ class TenantSchedulingMixin:
     def _note_lease_hits(self) -> None:
         """A leased next turn just scheduled for the first time: keep its prefix-cache hit
         (vLLM's own figure, which it hands on with the first token)."""
-        for request_id, t in list(self._awaiting_hit.items()):
+        kv = self.kvlease
+        for request_id, t in list(kv.awaiting_hit.items()):
             request = self.requests.get(request_id)
             stats = request.prefill_stats if request is not None else None
             if stats is not None and request.status is RUNNING:
                 t.lease_cached = stats.num_cached_tokens
-                del self._awaiting_hit[request_id]
+                del kv.awaiting_hit[request_id]
 
     def update_from_output(self, *args: Any, **kwargs: Any):
+        kv = self.kvlease
         outputs = super().update_from_output(*args, **kwargs)
         self._keep_running_list()
         # Sample on the clock, and whenever the engine goes idle: no step follows
         # to report the final picture.
         sample_due = (
-            self.clock() - self._last_sample >= self.settings.sample_seconds
-            or not self.has_requests()
+            kv.clock() - kv.last_sample >= kv.settings.sample_seconds or not self.has_requests()
         )
-        if self.settings.debug_accounting or sample_due:
+        if kv.settings.debug_accounting or sample_due:
             self.sample_accounting()
-        if self._publisher is not None:
+        if kv.publisher is not None:
             self._publish(with_state=sample_due)
         return outputs
 
@@ -604,7 +554,7 @@ class TenantSchedulingMixin:
         """Aborts arrive here, between steps; report them even if no step follows."""
         finished = super().finish_requests(*args, **kwargs)
         self._keep_running_list()
-        if self._publisher is not None and finished:
+        if self.kvlease.publisher is not None and finished:
             self._publish(with_state=not self.has_requests(), fresh=True)
         return finished
 
@@ -614,11 +564,12 @@ class TenantSchedulingMixin:
         `fresh` samples the accounting for the snapshot; update_from_output has
         just sampled, an abort between steps has not.
         """
-        events = self.events.drain()
-        if not (events or with_state or self._publisher.backlogged):
+        kv = self.kvlease
+        events = kv.events.drain()
+        if not (events or with_state or kv.publisher.backlogged):
             return
-        message = Message(events, self.state(sample=fresh) if with_state else None, self._rank)
-        self.events.dropped += self._publisher.publish(message)
+        message = Message(events, self.state(sample=fresh) if with_state else None, kv.rank)
+        kv.events.dropped += kv.publisher.publish(message)
 
     # -- allocation: lease reservations and the victim -------------------------
 
@@ -626,30 +577,31 @@ class TenantSchedulingMixin:
         """Use kvlease's allocation wrapper only in steps where it can matter: where this
         step could run out of blocks no lease holds (so a reservation or a victim choice
         could come into play). Otherwise vLLM allocates exactly as stock, at stock cost."""
+        kv = self.kvlease
         manager = self.kv_cache_manager
-        ours = (self._allocate, self._wrapped_allocate, self._noting_allocate)
+        ours = (kv.allocate, kv.wrapped_allocate, kv.noting_allocate)
         if manager.allocate_slots not in ours:
             return  # somebody else's wrapper (a test's, a connector's): leave it in place
-        tight = self._free_queue.free_unreserved < len(self.running) + self._step_blocks
-        manager.allocate_slots = (
-            self._wrapped_allocate if tight or self._kv_caps else self._noting_allocate
-        )
+        tight = kv.free_queue.free_unreserved < len(self.running) + kv.step_blocks
+        manager.allocate_slots = kv.wrapped_allocate if tight or kv.kv_caps else kv.noting_allocate
 
     def _allocate_noting_cause(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots`, noting whose allocation evicts: the cheap wrapper of a
         step that cannot run short (one attribute store and one list check)."""
-        self._cause = request
-        blocks = self._allocate(request, *args, **kwargs)
-        if self._free_queue.evicting:
+        kv = self.kvlease
+        kv.cause = request
+        blocks = kv.allocate(request, *args, **kwargs)
+        if kv.free_queue.evicting:
             self._report_evictions(request)
         return blocks
 
     def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots` in a step that may run short (`_allocate_leasing`),
         noting whose allocation evicts, as `_allocate_noting_cause` does."""
-        self._cause = request
+        kv = self.kvlease
+        kv.cause = request
         blocks = self._allocate_leasing(request, *args, **kwargs)
-        if self._free_queue.evicting:
+        if kv.free_queue.evicting:
             self._report_evictions(request)
         return blocks
 
@@ -657,25 +609,26 @@ class TenantSchedulingMixin:
         """vLLM's `allocate_slots`, with the leases of more important tiers reserved from
         `request` (unless nothing else runs), and, when a running request gets no blocks,
         the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
-        queue = self._free_queue
+        kv = self.kvlease
+        queue = kv.free_queue
         running = request.status is RUNNING
-        if self._kv_caps and self._refused_by_kv_cap(request, running, args, kwargs):
+        if kv.kv_caps and self._refused_by_kv_cap(request, running, args, kwargs):
             return None
-        most = self._most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
+        most = kv.most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
         if running and len(args) == 1 and queue.free_unreserved > most:
             # it fits in blocks nobody reserves: a reservation would change nothing
-            return self._allocate(request, *args, **kwargs)
+            return kv.allocate(request, *args, **kwargs)
         if queue.reserved_blocks and not leases_yield(len(self.running) - running):
-            t = self._tenancy.get(request.request_id) or self._tenancy_of(request)
+            t = kv.tenancy.get(request.request_id) or self._tenancy_of(request)
             queue.reserve(t.reserve_from)
             try:
-                blocks = self._allocate(request, *args, **kwargs)
+                blocks = kv.allocate(request, *args, **kwargs)
             finally:
                 queue.unreserve()
             if blocks is None and most <= queue.num_free_blocks:  # the reservation refused
-                self._payback.refused(self._steps, t.reserve_from, queue.reserved_sizes())
+                kv.payback.refused(kv.steps, t.reserve_from, queue.reserved_sizes())
         else:  # nothing is reserved: vLLM's call as it is (the common, cheap case)
-            blocks = self._allocate(request, *args, **kwargs)
+            blocks = kv.allocate(request, *args, **kwargs)
         if blocks is None and running and self.policy == SchedulingPolicy.FCFS:
             self._place_victim(request)
         return blocks
@@ -686,11 +639,11 @@ class TenantSchedulingMixin:
         """The per-tenant KV cap: a tenant at its cap gets no new block. Its running request
         then preempts the tenant's own cheapest request (maybe itself), never another's."""
         t = self._tenancy_of(request)
-        if t.tier not in self._kv_caps or not args:
+        if t.tier not in self.kvlease.kv_caps or not args:
             return False
         tokens = args[0] + kwargs.get("num_lookahead_tokens", 0)
         hit = kwargs.get("num_new_computed_tokens", 0)
-        whole = -(-(request.num_computed_tokens + hit + tokens) // self.block_size)
+        whole = blocks_for(request.num_computed_tokens + hit + tokens, self.block_size)
         if not self._over_kv_cap(t, whole - self._num_blocks(request)):
             return False
         if running and self.policy == SchedulingPolicy.FCFS:
@@ -699,7 +652,9 @@ class TenantSchedulingMixin:
 
     def _counter(self, t: Tenancy) -> float:
         """The victim rule's fair-share term: the tenant's counter, 0 with fair share off."""
-        return t.account.counter if t.account is not None and self.settings.fair_share else 0.0
+        return (
+            t.account.counter if t.account is not None and self.kvlease.settings.fair_share else 0.0
+        )
 
     def _place_victim(self, request: Request) -> None:
         """Among the requests of the lowest class that vLLM has not yet served this step
@@ -714,7 +669,7 @@ class TenantSchedulingMixin:
         """
         last = self._tenancy_of(self.running[-1])
         if last.tenant_id is not None:
-            if self.settings.class_service:
+            if self.kvlease.settings.class_service:
                 self._move_victim_to_end(request, klass=last.key[0])
             else:  # `running` is not in class order: the lowest class is searched for
                 self._move_victim_to_end(request, by_class=True)
@@ -731,7 +686,7 @@ class TenantSchedulingMixin:
         by `within_class_key` (furthest above its fair share, then the victim rule);
         `by_class`: the lowest class first, then that key. `request` itself competes at
         its computed tokens plus one per request behind it (see `_place_victim`)."""
-        running, rule = self.running, self.settings.victim_rule
+        running, rule = self.running, self.kvlease.settings.victim_rule
         best, best_key = -1, None
         for i in range(len(running) - 1, -1, -1):
             candidate = running[i]
@@ -764,11 +719,12 @@ class TenantSchedulingMixin:
         classes first and the least work first within one (`policy.admission_victims`).
         Returns the victims, which are kept out of the waiting queue for this step.
         """
-        if not self.waiting or not self.running or not self.settings.admission_preemption:
+        kv = self.kvlease
+        if not self.waiting or not self.running or not kv.settings.admission_preemption:
             return []
         head = self.waiting.peek_request()
         head_t = self._tenancy_of(head)
-        ordered = self.settings.class_service  # else (an ablation) every request is looked at
+        ordered = kv.settings.class_service  # else (an ablation) every request is looked at
         if ordered and self._tenancy_of(self.running[-1]).rank <= head_t.rank:
             return []  # `running` is in class order: nobody below the head runs
         slot_short = len(self.running) >= self.max_num_active_reqs
@@ -788,7 +744,7 @@ class TenantSchedulingMixin:
         for r in lower:
             t = self._tenancy_of(r)
             candidates.append((t.candidate(r, self._counter(t)), self._reclaimable(r)))
-        rule = self.settings.victim_rule
+        rule = kv.settings.victim_rule
         chosen = admission_victims(head_t.rank, need, free, candidates, rule)
         if slot_short and not chosen and free >= need and candidates:
             chosen = admission_victims(head_t.rank, 1, 0, [(c, 1) for c, _ in candidates], rule)
@@ -796,15 +752,15 @@ class TenantSchedulingMixin:
             return []  # preempting could not admit the head: leave everyone running
         victims = [lower[i] for i in chosen]
         now = time.monotonic()
-        self._preempt_reason = "admit_higher_tier"
-        self._cause = head
+        kv.preempt_reason = "admit_higher_tier"
+        kv.cause = head
         try:
             for victim in victims:
                 self.running.remove(victim)
                 self._preempt_request(victim, now, drop_stale_output=self.requires_kv_delivery)
                 self.waiting.remove_request(victim)
         finally:
-            self._preempt_reason = "kv_pressure"
+            kv.preempt_reason = "kv_pressure"
         return victims
 
     def _admission_gap(self, head: Request, t: Tenancy) -> tuple[int, int]:
@@ -814,16 +770,16 @@ class TenantSchedulingMixin:
         no side effects) only when that does not fit. A hit block still in the free queue
         takes a free slot like a new one; a hit block another request holds does not.
         """
-        free = self._free_queue.free_for(t.reserve_from)
+        free = self.kvlease.free_queue.free_for(t.reserve_from)
         watermark = self.kv_cache_manager.watermark_blocks
-        whole = -(-(head.num_tokens + self.num_lookahead_tokens) // self.block_size) + watermark
+        whole = blocks_for(head.num_tokens + self.num_lookahead_tokens, self.block_size) + watermark
         if free >= whole:  # even the whole request fits: no need to look up its hit
             return whole, free
         hit_blocks, hit_tokens, _ = self.kv_cache_manager.get_computed_blocks(head)
         chunk = min(head.num_tokens - hit_tokens, self.max_num_scheduled_tokens)
         chunk += self.num_lookahead_tokens
         held = sum(1 for group in hit_blocks.blocks for b in group if b.ref_cnt > 0)
-        need = -(-(hit_tokens + chunk) // self.block_size) - held + watermark
+        need = blocks_for(hit_tokens + chunk, self.block_size) - held + watermark
         return need, free
 
     def _reclaimable(self, request: Request) -> int:
@@ -833,13 +789,12 @@ class TenantSchedulingMixin:
     # -- preemption, finish and free hooks -------------------------------------
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False):
-        t = self._tenancy[request.request_id]
+        kv = self.kvlease
+        t = kv.tenancy[request.request_id]
         self._charge(request, t)  # what it generated before it loses its computed tokens
         blocks = self._num_blocks(request)
         tokens = request.num_computed_tokens
-        decision = preemption_mode(
-            blocks, self.block_size, tokens, self._cost, self._offload_available
-        )
+        decision = preemption_mode(blocks, self.block_size, tokens, kv.cost, kv.offload_available)
         super()._preempt_request(request, timestamp, drop_stale_output=drop_stale_output)
         by_tier, by_tenant = self._cause_of()
         t.recomputed_tokens += tokens
@@ -848,24 +803,24 @@ class TenantSchedulingMixin:
             t.recomputed_by[by_tier] = t.recomputed_by.get(by_tier, 0) + tokens
         if decision.mode == "offload":
             t.offloaded_blocks = blocks
-            self.accounting.offloaded_blocks[self._label(t.tenant_id)] += blocks
-        self.accounting.count_preemption(
-            self._label(t.tenant_id),
+            kv.accounting.offloaded_blocks[kv.label(t.tenant_id)] += blocks
+        kv.accounting.count_preemption(
+            kv.label(t.tenant_id),
             t.tier,
-            self._preempt_reason,
+            kv.preempt_reason,
             decision.mode,
             blocks,
             tokens,
             by_tier,
         )
-        self.events.push(
+        kv.events.push(
             Preemption(
-                at=self.clock(),
+                at=kv.clock(),
                 request_id=request.request_id,
                 tenant_id=t.tenant_id,
                 tier=t.tier,
                 session_id=t.session_id,
-                reason=self._preempt_reason,
+                reason=kv.preempt_reason,
                 mode=decision.mode,
                 blocks=blocks,
                 recomputed_tokens=tokens,
@@ -878,27 +833,29 @@ class TenantSchedulingMixin:
     def _cause_of(self, request: Request | None = None) -> tuple[str, str | None]:
         """(tier, tenant) of the allocation a preemption or eviction makes room for:
         `request`, else the one under way (NO_CAUSE when none is: a cache reset)."""
-        cause = request or self._cause
+        kv = self.kvlease
+        cause = request or kv.cause
         if cause is None:
             return NO_CAUSE, None
-        t = self._tenancy.get(cause.request_id) or self._tenancy_of(cause)
+        t = kv.tenancy.get(cause.request_id) or self._tenancy_of(cause)
         return t.tier or UNCLASSIFIED, t.tenant_id
 
     def _free_request_blocks(self, request: Request) -> None:
         """File the blocks under their session, now or, when vLLM defers the free past an
         in-flight step, when it drains them (`_deferred_popped`)."""
-        t = self._tenancy.get(request.request_id)
-        holder = t.holder if t is not None else self._delayed.pop(request.request_id, None)
+        kv = self.kvlease
+        t = kv.tenancy.get(request.request_id)
+        holder = t.holder if t is not None else kv.delayed.pop(request.request_id, None)
         if holder is not None and holder.leased and holder.in_flight <= 1:
-            self._free_queue.demote(holder)  # what its latest request did not reuse is stale
+            kv.free_queue.demote(holder)  # what its latest request did not reuse is stale
         deferred = len(self.deferred_frees)
-        self._free_queue.owner = holder
+        kv.free_queue.owner = holder
         try:
             super()._free_request_blocks(request)
         finally:
-            self._free_queue.owner = None
+            kv.free_queue.owner = None
         if len(self.deferred_frees) > deferred:
-            self._deferred_owner[id(self.deferred_frees[-1][1])] = holder
+            kv.deferred_owner[id(self.deferred_frees[-1][1])] = holder
             if holder is not None:
                 holder.deferred += 1
         if holder is not None and t is None:
@@ -908,8 +865,9 @@ class TenantSchedulingMixin:
     def _deferred_popped(self, entry: tuple[int, list]) -> None:
         """vLLM returns one deferred entry's blocks to the pool next: file them under
         their session (None for vLLM's own copy-on-write retentions)."""
-        holder = self._deferred_owner.pop(id(entry[1]), None)
-        self._free_queue.owner = holder
+        kv = self.kvlease
+        holder = kv.deferred_owner.pop(id(entry[1]), None)
+        kv.free_queue.owner = holder
         if holder is not None:
             holder.deferred -= 1
 
@@ -917,10 +875,11 @@ class TenantSchedulingMixin:
         try:
             super()._drain_deferred_frees()
         finally:
-            self._free_queue.owner = None
+            self.kvlease.free_queue.owner = None
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
-        t = self._tenancy.get(request.request_id)
+        kv = self.kvlease
+        t = kv.tenancy.get(request.request_id)
         if t is not None:
             self._charge(request, t)  # its last generated tokens
             self._integrate_request(request)
@@ -930,26 +889,26 @@ class TenantSchedulingMixin:
         if t is None:
             return result
         if request.request_id in self.requests:  # a connector still reads its blocks
-            self._delayed[request.request_id] = t.holder
+            kv.delayed[request.request_id] = t.holder
             if t.holder is not None:
                 t.holder.deferred += 1
         self._restore_offloaded(t)
-        del self._tenancy[request.request_id]
+        del kv.tenancy[request.request_id]
         if t.account is not None:
-            self._shares[t.tier].released(t.account, request.request_id)
-        now = self.clock()
+            kv.shares[t.tier].released(t.account, request.request_id)
+        now = kv.clock()
         holder = t.holder
         if holder is not None:
-            self._awaiting_hit.pop(request.request_id, None)
+            kv.awaiting_hit.pop(request.request_id, None)
             if t.lease_covered and t.lease_cached >= 0:  # it was scheduled
-                self.accounting.count_lease_reuse(holder.tier, t.lease_covered, t.lease_cached)
+                kv.accounting.count_lease_reuse(holder.tier, t.lease_covered, t.lease_cached)
             holder.last_hashes = request.block_hashes
             holder.in_flight -= 1
-            change = self.leases.request_finished(t.session)
+            change = kv.leases.request_finished(t.session)
             if change is not None:
                 self._lease_event(holder, change.kind, change.expires_at, change.at, request)
             self._forget_if_idle(t.session, holder)
-        self.events.push(
+        kv.events.push(
             RequestDone(
                 now,
                 request.request_id,
@@ -959,7 +918,7 @@ class TenantSchedulingMixin:
                 request.status.name.lower(),
                 request.num_preemptions,
                 t.recomputed_tokens,
-                self.accounting.request_done(request.request_id),
+                kv.accounting.request_done(request.request_id),
                 request.num_prompt_tokens,
                 request.num_output_tokens,
                 t.lease_covered,
@@ -972,23 +931,25 @@ class TenantSchedulingMixin:
     def forget_history(self) -> None:
         """Forget the think times sessions have shown and what reservations returned, as a
         freshly started server knows neither (benchmark runs and tests sharing an engine)."""
-        self.returns = ReturnModel()
-        queue = self._free_queue
-        self._payback.forget()
-        self._payback.rebase(queue.reserved_left, queue.reserved_reused)
-        queue.set_caps(self._payback.caps)
+        kv = self.kvlease
+        kv.returns = ReturnModel()
+        queue = kv.free_queue
+        kv.payback.forget()
+        kv.payback.rebase(queue.reserved_left, queue.reserved_reused)
+        queue.set_caps(kv.payback.caps)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        self._preempt_reason = "cache_reset"
-        self._cause = None
+        kv = self.kvlease
+        kv.preempt_reason = "cache_reset"
+        kv.cause = None
         try:
             ok = super().reset_prefix_cache(*args, **kwargs)
         finally:
-            self._preempt_reason = "kv_pressure"
+            kv.preempt_reason = "kv_pressure"
         if ok:  # no free block holds a prefix any more: nobody owns cached blocks
-            self.retention.integrate_all(self.clock(), self._label)
-            self._free_queue = self._install_free_queue()
-            for session, holder in list(self._holders.items()):
+            kv.retention.integrate_all(kv.clock(), kv.label)
+            kv.free_queue = self._install_free_queue()
+            for session, holder in list(kv.holders.items()):
                 holder.cached = holder.leased = holder.reserved = 0
                 self._forget_if_idle(session, holder)
         return ok
@@ -998,44 +959,47 @@ class TenantSchedulingMixin:
     def _end_turn(self, t: Tenancy, request: Request) -> None:
         """The session's last request in flight ends: how long are its blocks reserved?
         (kvlease.engine.reservations; the window never outlives the lease)."""
-        holder, tier = t.holder, self.settings.tiers[t.tier]
+        kv = self.kvlease
+        holder, tier = t.holder, kv.settings.tiers[t.tier]
         assert holder is not None and t.tenant_id is not None
-        now = self.clock()
-        tenant = self._label(t.tenant_id)
-        self.returns.turn_ended(t.session, tenant, tier.name, now)
-        policy = self._reserve_policy[tier.name]
-        window = self.returns.window(t.session, tenant, tier.name, tier.lease_seconds, policy)
+        now = kv.clock()
+        tenant = kv.label(t.tenant_id)
+        kv.returns.turn_ended(t.session, tenant, tier.name, now)
+        policy = kv.reserve_policy[tier.name]
+        window = kv.returns.window(t.session, tenant, tier.name, tier.lease_seconds, policy)
         holder.reserving = window > 0
         holder.reserved_until = now + window if window < tier.lease_seconds else math.inf
-        self.retention.open(holder, now, request.request_id, request.client_index)
+        kv.retention.open(holder, now, request.request_id, request.client_index)
         if holder.reserving and holder.reserved_until < math.inf:
-            heapq.heappush(self._windows, (holder.reserved_until, next(self._seq), t.session))
+            heapq.heappush(kv.windows, (holder.reserved_until, next(kv.seq), t.session))
 
     def _expire_leases(self) -> None:
-        now = self.clock()
-        while self._windows and self._windows[0][0] <= now:
-            until, _, session = heapq.heappop(self._windows)
-            holder = self._holders.get(session)
+        kv = self.kvlease
+        now = kv.clock()
+        while kv.windows and kv.windows[0][0] <= now:
+            until, _, session = heapq.heappop(kv.windows)
+            holder = kv.holders.get(session)
             if holder is not None and holder.reserving and holder.reserved_until == until:
-                self.retention.integrate(holder, until, self._label(holder.tenant_id))
-                self._free_queue.retain(holder)  # protected by eviction order from now on
-        for change in self.leases.expire():
-            self.returns.forget(change.session)
-            holder = self._holders.get(change.session)
+                kv.retention.integrate(holder, until, kv.label(holder.tenant_id))
+                kv.free_queue.retain(holder)  # protected by eviction order from now on
+        for change in kv.leases.expire():
+            kv.returns.forget(change.session)
+            holder = kv.holders.get(change.session)
             if holder is None:
                 continue
             self._close_retention(holder, change.expires_at)
-            self._free_queue.release(holder)
+            kv.free_queue.release(holder)
             self._lease_event(holder, "expire", change.expires_at, change.at)
             self._forget_if_idle(change.session, holder)
 
     def _close_retention(self, holder: Holder, at: float | None = None) -> None:
         """End the holder's time between turns (at `at`, else now) and report it."""
-        event = self.retention.close(
-            holder, self.clock() if at is None else at, self._label(holder.tenant_id)
+        kv = self.kvlease
+        event = kv.retention.close(
+            holder, kv.clock() if at is None else at, kv.label(holder.tenant_id)
         )
         if event is not None:
-            self.events.push(event)
+            kv.events.push(event)
 
     def _lease_event(
         self,
@@ -1049,7 +1013,7 @@ class TenantSchedulingMixin:
         request_id, api_server = (
             (None, 0) if request is None else (request.request_id, request.client_index)
         )
-        self.events.push(
+        self.kvlease.events.push(
             LeaseEvent(
                 at,
                 holder.tenant_id,
@@ -1065,20 +1029,21 @@ class TenantSchedulingMixin:
     def _forget_if_idle(self, session: Hashable, holder: Holder) -> None:
         busy = holder.in_flight or holder.protected or holder.deferred
         if not (busy or holder.cached or holder.leased):
-            self._holders.pop(session, None)
+            self.kvlease.holders.pop(session, None)
 
     def _report_evictions(self, cause: Request | None = None) -> None:
         """Evictions since the last report, attributed to `cause`'s allocation (after an
         allocation) or to none (at the end of a step: one outside any allocation)."""
-        now = self.clock()
+        kv = self.kvlease
+        now = kv.clock()
         by_tier, by_tenant = self._cause_of(cause) if cause is not None else (NO_CAUSE, None)
-        for holder in self._free_queue.take_evictions():
+        for holder in kv.free_queue.take_evictions():
             for leased, blocks in ((False, holder.pending_cached), (True, holder.pending_leased)):
                 if blocks:
-                    self.accounting.count_eviction(
-                        self._label(holder.tenant_id), holder.tier, leased, blocks, by_tier
+                    kv.accounting.count_eviction(
+                        kv.label(holder.tenant_id), holder.tier, leased, blocks, by_tier
                     )
-                    self.events.push(
+                    kv.events.push(
                         Eviction(
                             at=now,
                             tenant_id=holder.tenant_id,
@@ -1107,24 +1072,26 @@ class TenantSchedulingMixin:
 
     def _integrate_request(self, request: Request) -> None:
         """Close a finishing request's block-seconds up to now."""
-        if self.accounting.last is None:
+        kv = self.kvlease
+        if kv.accounting.last is None:
             return
-        dt = max(0.0, self.clock() - self.accounting.last.at)
+        dt = max(0.0, kv.clock() - kv.accounting.last.at)
         blocks = self._num_blocks(request)
-        self.accounting.request_block_seconds[request.request_id] = (
-            self.accounting.request_block_seconds.get(request.request_id, 0.0) + dt * blocks
+        kv.accounting.request_block_seconds[request.request_id] = (
+            kv.accounting.request_block_seconds.get(request.request_id, 0.0) + dt * blocks
         )
 
     def sample_accounting(self):
         """Occupancy by tenant and state now; integrates block-seconds; checks the books."""
-        now = self.clock()
-        self._last_sample = now
+        kv = self.kvlease
+        now = kv.clock()
+        kv.last_sample = now
         tenants: dict[str, TenantHolding] = {}
         seen: set[int] = set()
         request_blocks: dict[str, int] = {}
         get_blocks = self.kv_cache_manager.coordinator.get_blocks
         # O(blocks held), the one per-block loop off the step path: kept tight, no lists.
-        for request_id, t in self._tenancy.items():
+        for request_id, t in kv.tenancy.items():
             held_by_request = first_seen = 0
             for group in get_blocks(request_id):
                 for block in group:
@@ -1136,12 +1103,12 @@ class TenantSchedulingMixin:
                         first_seen += 1
             if held_by_request:
                 request_blocks[request_id] = held_by_request
-                held = tenants.setdefault(self._label(t.tenant_id), TenantHolding())
+                held = tenants.setdefault(kv.label(t.tenant_id), TenantHolding())
                 held.running += first_seen
         # Blocks vLLM has not returned yet (a connector still reads them, or a step in
         # flight may still write them) are held: by their session's tenant.
-        pending = [(h, get_blocks(r)) for r, h in self._delayed.items()]
-        pending += [(self._deferred_owner.get(id(b)), (b,)) for _, b in self.deferred_frees]
+        pending = [(h, get_blocks(r)) for r, h in kv.delayed.items()]
+        pending += [(kv.deferred_owner.get(id(b)), (b,)) for _, b in self.deferred_frees]
         for holder, groups in pending:
             first_seen = 0
             for group in groups:
@@ -1151,21 +1118,21 @@ class TenantSchedulingMixin:
                         first_seen += 1
             if first_seen:
                 tenant = holder.tenant_id if holder is not None else None
-                tenants.setdefault(self._label(tenant), TenantHolding()).running += first_seen
-        self.retention.integrate_all(now, self._label)
-        for holder in self._holders.values():
+                tenants.setdefault(kv.label(tenant), TenantHolding()).running += first_seen
+        kv.retention.integrate_all(now, kv.label)
+        for holder in kv.holders.values():
             if holder.cached or holder.leased:
-                held = tenants.setdefault(self._label(holder.tenant_id), TenantHolding())
+                held = tenants.setdefault(kv.label(holder.tenant_id), TenantHolding())
                 held.cached += holder.cached
                 held.cached_leased += holder.leased
-        return self.accounting.sample(
+        return kv.accounting.sample(
             now,
-            pool_blocks=self._pool.num_gpu_blocks - 1,
-            free_blocks=self._pool.get_num_free_blocks(),
+            pool_blocks=kv.pool.num_gpu_blocks - 1,
+            free_blocks=kv.pool.get_num_free_blocks(),
             referenced_blocks=len(seen),
             tenants=tenants,
             request_blocks=request_blocks,
-            check=self.settings.debug_accounting,
+            check=kv.settings.debug_accounting,
         )
 
     def state(self, sample: bool = True) -> EngineState:
@@ -1175,28 +1142,34 @@ class TenantSchedulingMixin:
         shares, so a reader can count seconds left itself; `seconds_left` is
         as of `at` (None while a request of the session is in flight).
         """
-        snap = self.accounting.last
+        kv = self.kvlease
+        snap = kv.accounting.last
         if sample or snap is None:
             snap = self.sample_accounting()
-        now = self.clock()
+        now = kv.clock()
         leases, summary = self._leases(now)
-        fair = self._fair_share_rows()  # before the totals: it adds to them
-        acc = self.accounting
+        fair = kv.fair_share_rows()
+        kv.settle_fair_share()  # before the totals: it adds to them
+        acc = kv.accounting
         return EngineState(
             at=now,
             pool_blocks=snap.pool_blocks,
             free_blocks=snap.free_blocks,
             tenants=snap.tenants,
-            tenant_tiers=dict(self._tenant_tiers),
+            tenant_tiers=dict(kv.tenant_tiers),
             leases=leases,
-            leases_total=len(self.leases.sessions()),
+            leases_total=len(kv.leases.sessions()),
             lease_summary=summary,
             running=len(self.running),
             waiting=len(self.waiting),
             waiting_by_tier=dict(
-                zip([*self.settings.tiers, UNCLASSIFIED], self.waiting.bucket_sizes(), strict=True)
+                zip(
+                    [*kv.settings.tiers, UNCLASSIFIED],
+                    self.waiting.bucket_sizes(),
+                    strict=True,
+                )
             ),
-            events_dropped=self.events.dropped,
+            events_dropped=kv.events.dropped,
             totals=Totals(
                 preemptions=[(*k, n) for k, n in acc.preemptions.items()],
                 preempted_blocks=[(*k, n) for k, n in acc.preempted_blocks.items()],
@@ -1206,42 +1179,25 @@ class TenantSchedulingMixin:
                 offloaded_blocks=list(acc.offloaded_blocks.items()),
                 lease_reuse_tokens=[(*k, n) for k, n in acc.lease_reuse_tokens.items()],
                 fair_share_tokens=[(*k, *v) for k, v in acc.fair_share_tokens.items()],
-                retention_block_seconds=[(*k, v) for k, v in self.retention.totals.items()],
+                retention_block_seconds=[(*k, v) for k, v in kv.retention.totals.items()],
             ),
             fair_share=fair,
-            reserved_caps=dict(zip(self._lease_index, self._payback.caps, strict=True)),
+            reserved_caps=dict(zip(kv.lease_index, kv.payback.caps, strict=True)),
         )
-
-    def _fair_share_rows(self) -> list[FairShareRow]:
-        """Every tracked tenant's counter, and each waiting tenant's fair-share ratio since
-        the last snapshot; that service and entitlement are added to the totals."""
-        rows = []
-        books = self.accounting.fair_share_tokens
-        for tier, share in self._shares.items():
-            waiting = share.shares()
-            for tenant, account in share.accounts.items():
-                label, ratio = self._label(tenant), None
-                book = books.setdefault((label, tier), [0.0, 0.0])  # a series from the start
-                if tenant in waiting:
-                    _, served, entitled = waiting[tenant]
-                    book[0] += served
-                    book[1] += entitled
-                    ratio = served / entitled if entitled > 0 else None
-                rows.append(FairShareRow(label, tier, account.counter, ratio, account.waiting))
-        return rows
 
     def _leases(self, now: float) -> tuple[list[Lease], dict[str, LeaseSummary]]:
         """The first MAX_LEASES_LISTED leases, and a summary per tenant label of all."""
+        kv = self.kvlease
         leases: list[Lease] = []
         summary: dict[str, LeaseSummary] = {}
-        for session in self.leases.sessions():
+        for session in kv.leases.sessions():
             tenant_id, session_id = session
-            holder = self._holders.get(session)
-            left = self.leases.seconds_left(session)
+            holder = kv.holders.get(session)
+            left = kv.leases.seconds_left(session)
             in_flight = left == float("inf")
-            tenant = summary.setdefault(self._label(tenant_id), LeaseSummary())
+            tenant = summary.setdefault(kv.label(tenant_id), LeaseSummary())
             tenant.active += 1
-            full = self.settings.tiers[holder.tier].lease_seconds if holder and holder.tier else 0.0
+            full = kv.settings.tiers[holder.tier].lease_seconds if holder and holder.tier else 0.0
             tenant.seconds_left_max = max(
                 tenant.seconds_left_max, full if in_flight else (left or 0.0)
             )

@@ -144,7 +144,7 @@ def simulate(
         priority = {name: tiers[name].priority for name in tiers} if stock == "priority" else {}
     else:
         priority = {}
-    clock = scheduler.clock = _Clock()
+    clock = scheduler.kvlease.clock = _Clock()
     ticks = 1.0 / cost.base if cost.is_fixed else 1000.0  # a tick: a step, or a millisecond
     vocab = scheduler.vllm_config.model_config.get_vocab_size()
     max_len = scheduler.vllm_config.model_config.max_model_len
@@ -195,18 +195,18 @@ def simulate(
         if stock is None:
             served += _settle(scheduler, done, settled)
         if stock is None and scheduler.waiting and clock.now >= next_books:  # fair-share books
-            scheduler._fair_share_rows()
+            scheduler.kvlease.settle_fair_share()
             next_books = clock.now + 1.0
         if progress is not None and finished:
             progress(finished)
     books, end = {}, clock.now
     if stock is None:
-        scheduler._fair_share_rows()
+        scheduler.kvlease.settle_fair_share()
         # Let every lease run out, so each session's last time between turns is billed.
         clock.now += max((t.lease_seconds for t in tiers.values()), default=0.0) + 1.0
         scheduler._expire_leases()
         served += _settle(scheduler, done, settled)
-        books = dict(scheduler.accounting.fair_share_tokens)
+        books = dict(scheduler.kvlease.accounting.fair_share_tokens)
     first = min((s.arrival_s for s in served), default=0.0)
     return Replay(served, steps, calls, end - first, trace.dropped, books)
 
@@ -264,7 +264,7 @@ def _stride(
         not running
         or scheduler.waiting
         or len(out.num_scheduled_tokens) != len(running)
-        or scheduler._kv_caps
+        or scheduler.kvlease.kv_caps
     ):
         return 1
     stride = min(r.max_tokens - r.num_output_tokens for r in running) - 1
@@ -277,14 +277,14 @@ def _stride(
     if stride <= 1:
         return 1
     blocks = len(running) * (-(-stride // BLOCK) + 1)
-    return stride if scheduler._free_queue.free_unreserved >= blocks else 1
+    return stride if scheduler.kvlease.free_queue.free_unreserved >= blocks else 1
 
 
 def _settle(scheduler: Any, done: dict[str, Served], settled: dict[str, Served]) -> list[Served]:
     """The engine's own figures for finished requests (its RequestDone events), and the
     KV retention after them (Retention events, on the request that opened each)."""
     out = []
-    for event in scheduler.events.drain():
+    for event in scheduler.kvlease.events.drain():
         if isinstance(event, RequestDone) and event.request_id in done:
             s = settled[event.request_id] = done.pop(event.request_id)
             s.preemptions, s.recomputed_tokens = event.preemptions, event.recomputed_tokens

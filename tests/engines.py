@@ -72,8 +72,8 @@ def recording(cls: type) -> type:
             self.preemptions: list[tuple[str | None, list[str | None]]] = []
 
         def _preempt_request(self, request, *args, **kwargs):
-            others = [self._tenancy[r.request_id].tier for r in self.running]
-            self.preemptions.append((self._tenancy[request.request_id].tier, others))
+            others = [self.kvlease.tenancy[r.request_id].tier for r in self.running]
+            self.preemptions.append((self.kvlease.tenancy[request.request_id].tier, others))
             return super()._preempt_request(request, *args, **kwargs)
 
     Recording.__name__ = f"Recording{cls.__name__}"
@@ -86,9 +86,9 @@ def settle(engine: Engine) -> None:
     another's reservations)."""
     scheduler = engine.scheduler
     if hasattr(scheduler, "leases"):
-        if not isinstance(scheduler.clock, OffsetClock):
-            scheduler.clock = OffsetClock()
-        scheduler.clock.offset += 10_000
+        if not isinstance(scheduler.kvlease.clock, OffsetClock):
+            scheduler.kvlease.clock = OffsetClock()
+        scheduler.kvlease.clock.offset += 10_000
         scheduler._expire_leases()
         scheduler.forget_history()
     assert engine.llm.reset_prefix_cache()

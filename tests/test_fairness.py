@@ -129,11 +129,12 @@ def test_the_fair_share_ratio_is_service_over_the_weighted_entitlement():
     for _ in range(10):
         tier.arrive(Req("a", 10))
         tier.arrive(Req("b", 10))
-    tier.share.shares()  # opens the window
+    tier.share.settle()  # opens the window
     tier.serve()
     tier.serve()
     tier.serve()  # a, b, a (ties go to the earlier entry)
-    ratios = {t: served / entitled for t, (_, served, entitled) in tier.share.shares().items()}
+    assert tier.share.shares() == tier.share.shares()  # a query: it changes nothing
+    ratios = {t: served / entitled for t, (_, served, entitled) in tier.share.settle().items()}
     assert ratios == {"a": 20 / 15, "b": 10 / 15}
     assert tier.share.shares() == {"a": (20.0, 0.0, 0.0), "b": (10.0, 0.0, 0.0)}  # none since
 

@@ -9,6 +9,7 @@ install's, is not read from PYTHONPATH, so only the wheel's kvlease is importabl
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -26,9 +27,17 @@ FOLDERS = ("engine", "exporters", "server", "demo", "dashboard", "grafana", "rep
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # from a copy: setuptools builds in the source folder, and the checkout stays clean
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
+    for folder in ("kvlease", *FOLDERS):
+        shutil.copytree(
+            ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(out), str(ROOT)],
+         "--wheel-dir", str(out), str(source)],
         check=True, cwd=out, timeout=300,
     )  # fmt: skip
     (found,) = out.glob("kvlease-*.whl")

@@ -71,15 +71,15 @@ def test_under_pressure_premium_is_never_preempted_while_a_lower_tier_runs(
 def test_preemptions_carry_tenant_tier_and_mode_and_match_the_counters(kvlease_engine):
     settle(kvlease_engine)
     scheduler = kvlease_engine.scheduler
-    scheduler.events.drain()
-    before = sum(scheduler.accounting.preemptions.values())
+    scheduler.kvlease.events.drain()
+    before = sum(scheduler.kvlease.accounting.preemptions.values())
     kvlease_engine.llm.generate(
         *_pressure_trace(kvlease_engine.llm.get_tokenizer()), use_tqdm=False
     )
-    events = scheduler.events.drain()
+    events = scheduler.kvlease.events.drain()
     preemptions = [e for e in events if type(e).__name__ == "Preemption"]
     assert preemptions
-    assert sum(scheduler.accounting.preemptions.values()) - before == len(preemptions)
+    assert sum(scheduler.kvlease.accounting.preemptions.values()) - before == len(preemptions)
     for event in preemptions:
         assert event.tenant_id and event.tier in TIERS
         assert event.mode == "recompute"  # no KV offloading on CPU
@@ -88,7 +88,7 @@ def test_preemptions_carry_tenant_tier_and_mode_and_match_the_counters(kvlease_e
     assert len(done) == 12
     assert all(e.block_seconds > 0 for e in done)
     assert sum(e.preemptions for e in done) == len(preemptions)
-    assert scheduler.events.dropped == 0
+    assert scheduler.kvlease.events.dropped == 0
 
 
 def _premium_ttft_into_a_full_pool(engine, tokenizer) -> tuple[int, int]:
@@ -133,7 +133,7 @@ def test_waiting_premium_preempts_running_free_to_start_at_once(stock_engine, kv
     assert ttft_steps["stock"] > 10 * ttft_steps["kvlease"]
     assert ("free", "admit_higher_tier") in {
         (e.tier, e.reason)
-        for e in kvlease_engine.scheduler.events.drain()
+        for e in kvlease_engine.scheduler.kvlease.events.drain()
         if type(e).__name__ == "Preemption"
     }
 
@@ -190,12 +190,12 @@ def test_leased_session_keeps_its_prefix_through_churn_until_the_lease_expires(
 
     # Once the lease runs out, the premium prefix is evictable like any other.
     scheduler = kvlease_engine.scheduler
-    scheduler.events.drain()
-    scheduler.clock.offset += 301
+    scheduler.kvlease.events.drain()
+    scheduler.kvlease.clock.offset += 301
     _churn(kvlease_engine, tokenizer)
     expired = [
         e
-        for e in scheduler.events.drain()
+        for e in scheduler.kvlease.events.drain()
         if type(e).__name__ == "LeaseEvent" and e.kind == "expire" and e.tenant_id == "pam"
     ]
     assert expired
@@ -270,7 +270,7 @@ def test_state_reports_the_pool_by_tenant_and_state(kvlease_engine):
     # Its context's three full blocks stay leased; standard's cap on 23 blocks reserves 2
     # of them, the oldest is retained (evicted after every unleased block, open to all).
     assert sue.running == 0 and sue.cached_leased == 3
-    assert kvlease_engine.scheduler._free_queue.reserved_sizes()[0] == 2
+    assert kvlease_engine.scheduler.kvlease.free_queue.reserved_sizes()[0] == 2
     lease = next(x for x in state.leases if x.tenant_id == "sue")
     assert 0 < lease.seconds_left <= 60
     assert lease.cached_leased_blocks == sue.cached_leased

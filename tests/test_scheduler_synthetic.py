@@ -30,7 +30,7 @@ def _run(scheduler, limit=10_000, each_step=None) -> int:
     steps = 0
     while scheduler.has_requests():
         step(scheduler)
-        scheduler._free_queue.check()
+        scheduler.kvlease.free_queue.check()
         if each_step:
             each_step(scheduler)
         steps += 1
@@ -49,7 +49,7 @@ def test_pressure_trace_completes_with_balanced_books_and_no_premium_preempted_e
     _run(scheduler)  # debug_accounting raises AccountingError on any imbalance
     assert scheduler.preemptions, "the trace must create pressure"
     assert not [p for p in scheduler.preemptions if p[0] == "premium" and set(p[1]) - {"premium"}]
-    done = [e for e in scheduler.events.drain() if type(e).__name__ == "RequestDone"]
+    done = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "RequestDone"]
     assert len(done) == 12 and {e.status for e in done} == {"finished_length_capped"}
 
 
@@ -83,7 +83,7 @@ def test_victim_within_a_tenant_follows_the_configured_rule(rule, first_victim, 
     vip = make_request("vip", "premium", 400, 10, arrival=3.0)  # 13 blocks: 11 are free
     scheduler.add_request(vip)
     out, _ = step(scheduler)
-    [first, *_] = [e for e in scheduler.events.drain() if type(e).__name__ == "Preemption"]
+    [first, *_] = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Preemption"]
     names = {old_long.request_id: "old-long", new_short.request_id: "new-short"}
     assert (names[first.request_id], first.reason) == (first_victim, "admit_higher_tier")
     assert vip.request_id in out.num_scheduled_tokens  # admitted in the same step
@@ -125,7 +125,7 @@ def test_unknown_tier_is_treated_as_unclassified(demo_model, caplog):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
     request = make_request("acme", "platinum", 40, 4)
     scheduler.add_request(request)
-    assert scheduler._tenancy[request.request_id].tenant_id is None
+    assert scheduler.kvlease.tenancy[request.request_id].tenant_id is None
     assert "unknown tier" in caplog.text
     _run(scheduler)
 
@@ -135,14 +135,14 @@ def test_event_overflow_is_counted_and_counters_stay_exact(demo_model):
     for i in range(12):
         scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
     _run(scheduler)
-    assert len(scheduler.events) == 3
-    assert scheduler.events.dropped > 0
-    assert sum(scheduler.accounting.preemptions.values()) == len(scheduler.preemptions)
+    assert len(scheduler.kvlease.events) == 3
+    assert scheduler.kvlease.events.dropped > 0
+    assert sum(scheduler.kvlease.accounting.preemptions.values()) == len(scheduler.preemptions)
 
 
 def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    scheduler.clock = clock = OffsetClock()
+    scheduler.kvlease.clock = clock = OffsetClock()
     scheduler.add_request(make_request("acme", "standard", 60, 8, session="chat"))
     _run(scheduler)
     state = scheduler.state()
@@ -158,22 +158,22 @@ def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
     assert state.leases == []
     assert state.tenants["acme"] == TenantHolding(running=0, cached_leased=0, cached=2)
     assert scheduler.reset_prefix_cache()
-    assert scheduler._holders == {}
+    assert scheduler.kvlease.holders == {}
     assert scheduler.state().tenants == {}
 
 
 def test_block_seconds_are_billed_for_running_and_leased_blocks_only(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     scheduler.add_request(make_request("std", "standard", 64, 4, session="a"))
     scheduler.add_request(make_request("fre", "free", 64, 4, session="b"))
     while scheduler.has_requests():
         clock.now += 1.0  # each step takes one second
         step(scheduler)
-    held = dict(scheduler.accounting.block_seconds)
+    held = dict(scheduler.kvlease.accounting.block_seconds)
     clock.now += 10.0
     scheduler.sample_accounting()
-    after = scheduler.accounting.block_seconds
+    after = scheduler.kvlease.accounting.block_seconds
     assert after["std"] == pytest.approx(held["std"] + 10.0 * 2)  # 2 leased blocks
     assert after["fre"] == pytest.approx(held["fre"])  # free tier: cached, not billed
 
@@ -182,14 +182,14 @@ def test_an_idle_gap_is_not_billed_to_the_next_request(demo_model):
     """Sampling on the clock (no debug mode): the first step after an idle minute must
     close that minute with what the idle engine held, before it allocates."""
     scheduler = make_scheduler(TenantAwareScheduler, demo_model, 24)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     scheduler.add_request(make_request("early", "free", 64, 4))
     steps = _run_on(scheduler, clock)
     clock.now += 60.0  # nothing runs for a minute
     scheduler.add_request(make_request("late", "free", 64, 4))
     steps = _run_on(scheduler, clock)
     # 64 prompt + 4 output tokens: at most 3 blocks of 32, for `steps` seconds
-    assert 0 < scheduler.accounting.block_seconds["late"] <= 3 * steps
+    assert 0 < scheduler.kvlease.accounting.block_seconds["late"] <= 3 * steps
 
 
 def _run_on(scheduler, clock, seconds_per_step: float = 1.0) -> int:
@@ -251,7 +251,7 @@ def test_a_lower_tier_never_takes_a_running_lease_while_it_can_preempt_its_own(d
     scheduler = _scheduler(TenantAwareScheduler, demo_model, reserve_payback=False)
     chat = _conversation(140, seed=1)
     _finish_turn(scheduler, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
-    holder = scheduler._holders[("pam", "c")]
+    holder = scheduler.kvlease.holders[("pam", "c")]
     assert holder.leased == 4  # 141 tokens of context: four full blocks of 32
     for i in range(3):
         scheduler.add_request(make_request(f"f{i}", "free", 100, 200, session=f"f{i}"))
@@ -280,7 +280,7 @@ def test_a_free_request_as_long_as_the_unreserved_pool_completes_beside_full_lea
     for i, (tier, tokens) in enumerate([("premium", 200), ("premium", 64), ("standard", 100)]):
         prompt = _conversation(tokens, seed=10 + i)
         _finish_turn(scheduler, make_request(f"l{i}", tier, 0, 1, session="s", prompt=prompt))
-    leased = scheduler._free_queue.reserved_sizes()
+    leased = scheduler.kvlease.free_queue.reserved_sizes()
     assert leased == [2, 4]  # standard at its cap, premium at its cap
     long_free = make_request("big", "free", max_len - 40, 40)
     scheduler.add_request(long_free)
@@ -288,7 +288,7 @@ def test_a_free_request_as_long_as_the_unreserved_pool_completes_beside_full_lea
         scheduler.add_request(make_request(f"f{i}", "free", 60, 120))
     _run(scheduler)
     assert long_free.is_finished() and len(long_free.output_token_ids) == 40
-    assert scheduler._free_queue.reserved_sizes() == [2, 4]
+    assert scheduler.kvlease.free_queue.reserved_sizes() == [2, 4]
 
 
 def test_a_tier_table_whose_caps_crowd_out_one_request_is_refused_at_start(demo_model, tmp_path):
@@ -309,11 +309,11 @@ def test_a_leased_next_turn_reports_what_its_lease_covered_and_reused(demo_model
     chat = _conversation(100, seed=3)
     _finish_turn(scheduler, make_request("sam", "standard", 0, 30, session="c", prompt=chat))
     context = chat + [7] * 30  # the synthetic model answers 7s
-    scheduler.events.drain()
+    scheduler.kvlease.events.drain()
     _finish_turn(scheduler, make_request("sam", "standard", 0, 2, session="c", prompt=context))
-    [done] = [e for e in scheduler.events.drain() if type(e).__name__ == "RequestDone"]
+    [done] = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "RequestDone"]
     assert done.lease_covered_tokens == 128  # 130 tokens of context: four whole blocks
-    assert dict(scheduler.accounting.lease_reuse_tokens) == {
+    assert dict(scheduler.kvlease.accounting.lease_reuse_tokens) == {
         ("standard", "reused"): 128,
         ("standard", "lost"): 0,
     }
@@ -324,7 +324,7 @@ def test_a_leased_next_turn_reports_what_its_lease_covered_and_reused(demo_model
     ]
     # A first turn, or a session whose lease ran out, is not a leased next turn.
     _finish_turn(scheduler, make_request("new", "premium", 0, 2, session="x", prompt=chat))
-    assert sum(scheduler.accounting.lease_reuse_tokens.values()) == 128
+    assert sum(scheduler.kvlease.accounting.lease_reuse_tokens.values()) == 128
 
 
 def test_frees_vllm_defers_past_an_in_flight_step_stay_counted_and_owned(demo_model):
@@ -372,14 +372,14 @@ def test_frees_vllm_defers_past_an_in_flight_step_stay_counted_and_owned(demo_mo
     first, second = scheduler.schedule(), scheduler.schedule()  # step 2 in flight
     scheduler.update_from_output(first, ran(first, 42))  # stops: its free is deferred
     assert request.is_finished() and len(scheduler.deferred_frees) == 1
-    holder = scheduler._holders[("pam", "c")]
+    holder = scheduler.kvlease.holders[("pam", "c")]
     assert holder.deferred == 1 and holder.leased == 0
     held = scheduler.state().tenants["pam"]
     assert held.running == 4  # 101 tokens in 4 blocks, still held
     scheduler.update_from_output(second, ran(second, 7))  # step 2 done: vLLM drains
     assert not scheduler.deferred_frees and holder.deferred == 0
     assert holder.leased == 3  # its three full blocks, under the premium lease
-    scheduler._free_queue.check()
+    scheduler.kvlease.free_queue.check()
     assert scheduler.state().tenants["pam"].running == 0
 
 
@@ -408,7 +408,7 @@ def test_a_heavy_tenant_of_a_tier_gets_its_share_not_ten_times_it(cls, demo_mode
     step(scheduler)
     admitted = {r.request_id for r in scheduler.running}
     assert {r.request_id for r in light} <= admitted  # not behind the heavy tenant's 20
-    share = scheduler._shares["free"]
+    share = scheduler.kvlease.shares["free"]
     bound = 2 * (64 * INPUT_COST + OUTPUT_COST * 23 * 32)
     while scheduler.has_requests():
         waiting = {a.tenant: a.counter for a in share.accounts.values() if a.waiting}
@@ -445,7 +445,7 @@ def test_a_tenant_at_its_kv_cap_waits_or_preempts_itself_never_another(cls, demo
         recording(cls), demo_model, 64, max_model_len=256,
         kvlease={"debug_accounting": True, "tiers": tiers},
     )  # fmt: skip
-    cap = scheduler._kv_caps["free"]
+    cap = scheduler.kvlease.kv_caps["free"]
     hog = [make_request("hog", "free", 100, 150) for _ in range(6)]
     small = [make_request("small", "free", 100, 150)]  # 8 blocks at most: under its cap
     for request in hog + small:
@@ -454,9 +454,9 @@ def test_a_tenant_at_its_kv_cap_waits_or_preempts_itself_never_another(cls, demo
     held = [0]
 
     def within_cap(s):
-        account = s._shares["free"].accounts.get("hog")
+        account = s.kvlease.shares["free"].accounts.get("hog")
         if account is not None:
-            held.append(s._held_blocks(account)[0])
+            held.append(s.kvlease.held_blocks(account)[0])
             assert held[-1] <= cap
 
     _run(scheduler, each_step=within_cap)
@@ -488,10 +488,10 @@ def test_a_premium_turn_is_reserved_for_its_window_then_retained_until_its_lease
     the 300 s lease. Within it the blocks are RESERVED; after it, RETAINED (evicted
     last, but any tier may take them); after the lease, plain cached blocks."""
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     chat = _conversation(140, seed=3)
     _turn_on(scheduler, clock, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
-    holder = scheduler._holders[("pam", "c")]
+    holder = scheduler.kvlease.holders[("pam", "c")]
     ended = clock.now
     assert (holder.leased, holder.reserved) == (4, 4)
     clock.now = ended + 55.0  # its steps take a few more seconds
@@ -500,7 +500,7 @@ def test_a_premium_turn_is_reserved_for_its_window_then_retained_until_its_lease
     clock.now = ended + 61.0
     _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
     assert (holder.leased, holder.reserved) == (4, 0)
-    assert scheduler.leases.active(("pam", "c"))
+    assert scheduler.kvlease.leases.active(("pam", "c"))
     clock.now = ended + 301.0
     _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
     assert (holder.leased, holder.cached) == (0, 4)
@@ -510,14 +510,14 @@ def test_one_shot_sessions_reserve_nothing_once_their_tenant_has_shown_they_neve
     demo_model,
 ):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     reserved = []
     for n in range(5):
         prompt = _conversation(70, seed=20 + n)
         _turn_on(
             scheduler, clock, make_request("solo", "premium", 0, 2, session=f"q{n}", prompt=prompt)
         )
-        holder = scheduler._holders[("solo", f"q{n}")]
+        holder = scheduler.kvlease.holders[("solo", f"q{n}")]
         reserved.append((holder.leased, holder.reserved))
     # Two turns on the prior (return rate 1/2); from the third, the tenant's return rate
     # (1/4, 1/5, ...) reserves nothing: the blocks are only retained by their lease.
@@ -527,17 +527,17 @@ def test_one_shot_sessions_reserve_nothing_once_their_tenant_has_shown_they_neve
 @pytest.mark.parametrize(("mode", "reserved"), [("lease", 2), ("never", 0)])
 def test_the_reserve_setting_overrides_every_tiers_mode(demo_model, mode, reserved):
     scheduler = _scheduler(TenantAwareScheduler, demo_model, reserve=mode)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     for n in range(5):
         prompt = _conversation(70, seed=30 + n)
         _turn_on(
             scheduler, clock, make_request("solo", "premium", 0, 2, session=f"q{n}", prompt=prompt)
         )
-        assert scheduler._holders[("solo", f"q{n}")].reserved == reserved
+        assert scheduler.kvlease.holders[("solo", f"q{n}")].reserved == reserved
 
 
 def _retentions(scheduler) -> list:
-    return [e for e in scheduler.events.drain() if type(e).__name__ == "Retention"]
+    return [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Retention"]
 
 
 def test_the_time_between_turns_is_metered_as_reserved_then_retained_block_seconds(demo_model):
@@ -545,7 +545,7 @@ def test_the_time_between_turns_is_metered_as_reserved_then_retained_block_secon
     lease: one record of 240 reserved and 960 retained block-seconds, from the turn's
     request, when the lease ends; the totals for the metrics say the same."""
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     chat = _conversation(140, seed=3)
     turn = make_request("pam", "premium", 0, 2, session="c", prompt=chat)
     _turn_on(scheduler, clock, turn)
@@ -571,7 +571,7 @@ def test_the_time_between_turns_is_metered_as_reserved_then_retained_block_secon
 
 def test_a_next_turn_closes_the_time_between_turns_and_a_free_turn_holds_nothing(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     chat = _conversation(140, seed=4)
     _turn_on(scheduler, clock, make_request("fay", "free", 0, 2, session="f", prompt=chat))
     first = make_request("pam", "premium", 0, 2, session="c", prompt=chat[:100])
@@ -591,7 +591,7 @@ def test_a_next_turn_closes_the_time_between_turns_and_a_free_turn_holds_nothing
 
 
 def _reasons(scheduler) -> set[str]:
-    return {e.reason for e in scheduler.events.drain() if type(e).__name__ == "Preemption"}
+    return {e.reason for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Preemption"}
 
 
 def _premium_into_a_full_pool(scheduler) -> tuple[set[str], bool]:
@@ -633,15 +633,15 @@ def test_without_class_ordered_service_running_is_first_come_first_served_and_vi
 
 def test_without_lease_eviction_order_a_closed_window_leaves_plain_cached_blocks(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model, lease_order=False)
-    scheduler.clock = clock = ManualClock()
+    scheduler.kvlease.clock = clock = ManualClock()
     chat = _conversation(140, seed=3)
     _turn_on(scheduler, clock, make_request("pam", "premium", 0, 2, session="c", prompt=chat))
-    holder = scheduler._holders[("pam", "c")]
+    holder = scheduler.kvlease.holders[("pam", "c")]
     assert (holder.leased, holder.reserved) == (4, 4)  # the reservation still holds
     clock.now += 61.0
     _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
     assert (holder.leased, holder.cached) == (0, 4)  # not retained: LRU, as vLLM's
-    assert scheduler.leases.active(("pam", "c"))
+    assert scheduler.kvlease.leases.active(("pam", "c"))
 
 
 @pytest.mark.parametrize(("payback", "cap"), [(True, 1), (False, 4)])
@@ -654,17 +654,17 @@ def test_a_reservation_that_only_turns_work_away_shrinks_to_one_block(demo_model
     scheduler = _scheduler(
         TenantAwareScheduler, demo_model, reserve="lease", reserve_payback=payback
     )
-    scheduler.clock = clock = ManualClock()
-    premium = scheduler._lease_index["premium"]
+    scheduler.kvlease.clock = clock = ManualClock()
+    premium = scheduler.kvlease.lease_index["premium"]
     for n in range(13):
         prompt = _conversation(140, seed=40 + n)
         scheduler.add_request(make_request(f"p{n}", "premium", 0, 2, session="c", prompt=prompt))
         for _ in range(3):
             scheduler.add_request(make_request("fay", "free", 100, 120))
         _run_on(scheduler, clock, seconds_per_step=0.01)  # within every lease
-    queue = scheduler._free_queue
+    queue = scheduler.kvlease.free_queue
     assert queue.reserved_left[premium] >= 12 * 4 and queue.reserved_reused[premium] == 0
-    assert scheduler._payback.caps[premium] == cap
+    assert scheduler.kvlease.payback.caps[premium] == cap
     assert queue.reserved_sizes()[premium] == cap
     queue.check()
 
@@ -679,10 +679,10 @@ def test_an_admission_preemption_is_the_admitted_tiers_doing(demo_model):
     step(scheduler)
     scheduler.add_request(make_request("vip", "premium", 400, 10))
     step(scheduler)
-    [preempted] = [e for e in scheduler.events.drain() if type(e).__name__ == "Preemption"]
+    [preempted] = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Preemption"]
     assert (preempted.tier, preempted.reason) == ("free", "admit_higher_tier")
     assert (preempted.by_tier, preempted.by_tenant) == ("premium", "vip")
-    counted = {k[4] for k in scheduler.accounting.preemptions}
+    counted = {k[4] for k in scheduler.kvlease.accounting.preemptions}
     assert counted == {"premium"}
 
 
@@ -693,7 +693,7 @@ def test_every_preemption_and_eviction_names_the_allocation_that_caused_it(demo_
     for i in range(12):
         scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
     events = []
-    _run(scheduler, each_step=lambda s: events.extend(s.events.drain()))
+    _run(scheduler, each_step=lambda s: events.extend(s.kvlease.events.drain()))
     kinds = {type(e).__name__ for e in events}
     preempted = [e for e in events if type(e).__name__ == "Preemption"]
     assert preempted and all(e.by_tier in TIERS and e.by_tenant for e in preempted)
