@@ -37,7 +37,8 @@ VLLM_NEXT := 0.33.0
 VLLM_NEXT_DIR := $(VENV)/vllm-$(VLLM_NEXT)
 VLLM_NEXT_TESTS := tests/test_scheduler_synthetic.py tests/test_free_queue.py \
 	tests/test_waiting_queue.py tests/test_policy.py tests/test_fairness.py \
-	tests/test_leases.py tests/test_settings_accounting.py tests/test_runtime.py
+	tests/test_leases.py tests/test_settings_accounting.py tests/test_runtime.py \
+	tests/test_vllm_surface.py
 test-vllm-next: $(STAMP)
 	@test -f $(VLLM_NEXT_DIR)/.installed || { \
 		$(PY) -m pip install --quiet --no-deps --target $(VLLM_NEXT_DIR) vllm==$(VLLM_NEXT) \

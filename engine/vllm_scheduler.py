@@ -94,6 +94,73 @@ from kvlease.engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa:
 logger = logging.getLogger("kvlease.scheduler")
 RUNNING = RequestStatus.RUNNING
 
+# The vLLM surface this adapter relies on beyond vLLM's documented `scheduler_cls` hook:
+# every private name, replaced container and behaviour, and why. Each row is checked on
+# vLLM 0.32.0 and 0.33.0 (tests/test_vllm_surface.py; `make test-vllm-next`): a name
+# must exist, a method must take these leading parameters, a behaviour must still be
+# in the named source. Read it before upgrading vLLM.
+# (where, what, leading parameters or source text, why)
+VLLM_SURFACE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    # methods kvlease overrides or calls
+    ("Scheduler", "_preempt_request", ("request", "timestamp", "drop_stale_output"),
+     "every preemption passes here: wrapped to record events, leases and accounting"),
+    ("Scheduler", "_free_request", ("request", "delay_free_blocks"),
+     "a request's end: its session's lease and turn are closed here"),
+    ("Scheduler", "_free_request_blocks", ("request",),
+     "its blocks go back to the pool: filed under the session that held them"),
+    ("Scheduler", "_request_blocks_can_be_freed", ("request",),
+     "called: whether a finished request's blocks go now or are deferred"),
+    ("Scheduler", "schedule", (), "overridden: admission preemption, then vLLM's own"),
+    ("Scheduler", "update_from_output", ("scheduler_output", "model_runner_output"),
+     "overridden: vLLM replaces `running` with a plain list in it"),
+    ("Scheduler", "finish_requests", ("request_ids", "finished_status"),
+     "overridden: vLLM replaces `running` with a plain list in it"),
+    ("Scheduler", "reset_prefix_cache", (), "overridden: its preemptions say `cache_reset`"),
+    ("KVCacheManager", "allocate_slots", ("request", "num_new_tokens",
+     "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens"),
+     "rebound each step to kvlease's wrapper, which reads args[0] and num_lookahead_tokens"),
+    ("KVCacheManager", "get_computed_blocks", ("request",),
+     "a waiting head's prefix-cache hit, for the blocks it lacks"),
+    ("FreeKVCacheBlockQueue", "popleft", (), "the free queue kvlease replaces keeps its API"),
+    ("FreeKVCacheBlockQueue", "popleft_n", ("n",), "the same"),
+    ("FreeKVCacheBlockQueue", "remove", ("block",), "the same"),
+    ("FreeKVCacheBlockQueue", "append", ("block",), "the same"),
+    ("FreeKVCacheBlockQueue", "append_n", ("blocks",), "the same"),
+    ("FreeKVCacheBlockQueue", "prepend_n", ("blocks",), "the same"),
+    ("FreeKVCacheBlockQueue", "get_all_free_blocks", (), "the same"),
+    ("request_queue", "create_request_queue", ("policy",),
+     "builds vLLM's own queue inside each tier's bucket"),
+    # attributes of a built scheduler that kvlease reads or replaces
+    ("scheduler", "running", (), "replaced by _RunningList, kept in service order"),
+    ("scheduler", "waiting", (), "replaced by TenantWaitingQueue (a RequestQueue)"),
+    ("scheduler", "deferred_frees", (), "replaced by _DeferredFrees; see the behaviour below"),
+    ("scheduler", "requests", (), "request id -> Request"),
+    ("scheduler", "policy", (), "SchedulingPolicy: FCFS victims are kvlease's to place"),
+    ("scheduler", "kv_cache_config", (), "kv_cache_groups: one group allows the cheap bound"),
+    ("scheduler", "max_num_scheduled_tokens", (), "a step's token budget, in blocks"),
+    ("scheduler", "num_lookahead_tokens", (), "blocks a waiting head needs"),
+    ("scheduler", "max_num_active_reqs", (), "a slot-short step admits nobody"),
+    ("scheduler", "requires_kv_delivery", (), "passed on as drop_stale_output"),
+    ("kv_cache_manager", "block_pool", (), "its free_block_queue is replaced"),
+    ("kv_cache_manager", "coordinator", (), "coordinator.get_blocks(request id): blocks held"),
+    ("kv_cache_manager", "watermark_blocks", (), "part of a step's worst case"),
+    ("block_pool", "free_block_queue", (), "replaced by TenantFreeBlockQueue"),
+    ("block_pool", "blocks", (), "the pool's size, for the replacement queue"),
+    ("block_pool", "num_gpu_blocks", (), "the pool, null block included"),
+    ("ParallelConfig", "_api_process_count", (),
+     "how many API processes get every message (read with a default of 1)"),
+    ("ParallelConfig", "data_parallel_index", (),
+     "this engine's rank (read with data_parallel_rank as the default)"),
+    # behaviours: source text that must still be there
+    ("Scheduler.schedule", "behaviour", ("self.running[-1]",),
+     "FCFS preemption takes running[-1]: kvlease moves its victim there"),
+    ("Scheduler", "behaviour", ("self.deferred_frees.popleft()",),
+     "vLLM drains deferred frees with popleft(): _DeferredFrees files each entry's "
+     "blocks (keyed by id(list)) under their session as it pops"),
+    ("Scheduler", "behaviour", ("self.running = ",),
+     "vLLM rebinds running to a plain list: kvlease wraps it again after those calls"),
+)  # fmt: skip
+
 RequestQueue.register(TenantWaitingQueue)
 MAX_LEASES_LISTED = 1000  # /admin/state lists at most this many; lease_summary covers all
 
