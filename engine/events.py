@@ -22,7 +22,7 @@ import msgspec
 NO_CAUSE = "none"
 
 
-class Preemption(msgspec.Struct, frozen=True, tag=True):
+class Preemption(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     at: float  # the machine's monotonic clock, shared by every process
     request_id: str
     tenant_id: str | None  # None: unclassified
@@ -37,7 +37,7 @@ class Preemption(msgspec.Struct, frozen=True, tag=True):
     by_tenant: str | None = None  # and its tenant
 
 
-class Eviction(msgspec.Struct, frozen=True, tag=True):
+class Eviction(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """Cached prefix blocks of one tenant evicted to make room for one allocation (or,
     with no cause known, within one step)."""
 
@@ -50,7 +50,7 @@ class Eviction(msgspec.Struct, frozen=True, tag=True):
     by_tenant: str | None = None  # and its tenant
 
 
-class LeaseEvent(msgspec.Struct, frozen=True, tag=True):
+class LeaseEvent(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     at: float
     tenant_id: str
     session_id: str | None
@@ -61,7 +61,7 @@ class LeaseEvent(msgspec.Struct, frozen=True, tag=True):
     api_server: int = 0  # the API process that owns that request
 
 
-class RequestDone(msgspec.Struct, frozen=True, tag=True):
+class RequestDone(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """A request left the engine (finished, aborted or failed)."""
 
     at: float
@@ -81,7 +81,7 @@ class RequestDone(msgspec.Struct, frozen=True, tag=True):
     recomputed_by: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-class Retention(msgspec.Struct, frozen=True, tag=True):
+class Retention(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     """A leased session's blocks between two turns (kvlease.engine.retention): the ledger's
     "KV retention" record, written by the API process that owned the turn's request."""
 
@@ -146,7 +146,7 @@ class Totals(msgspec.Struct):
     retention_block_seconds: list[tuple[str, str, str, float]] = []
 
 
-class FairShareRow(msgspec.Struct):
+class FairShareRow(msgspec.Struct, kw_only=True):
     """One tenant's place in its tier's fair share (kvlease.engine.fairness), at a snapshot."""
 
     tenant_id: str  # a label (kvlease.engine.labels)

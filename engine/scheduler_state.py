@@ -180,7 +180,13 @@ class KvleaseState:
                     _, served, entitled = waiting[tenant]
                     ratio = served / entitled if entitled > 0 else None
                 rows.append(
-                    FairShareRow(self.label(tenant), tier, account.counter, ratio, account.waiting)
+                    FairShareRow(
+                        tenant_id=self.label(tenant),
+                        tier=tier,
+                        counter=account.counter,
+                        ratio=ratio,
+                        waiting=account.waiting,
+                    )
                 )
         return rows
 

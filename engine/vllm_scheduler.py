@@ -977,20 +977,20 @@ class TenantSchedulingMixin:
             self._forget_if_idle(t.session, holder)
         kv.events.push(
             RequestDone(
-                now,
-                request.request_id,
-                t.tenant_id,
-                t.tier,
-                t.session_id,
-                request.status.name.lower(),
-                request.num_preemptions,
-                t.recomputed_tokens,
-                kv.accounting.request_done(request.request_id),
-                request.num_prompt_tokens,
-                request.num_output_tokens,
-                t.lease_covered,
-                request.client_index,
-                t.recomputed_by or {},
+                at=now,
+                request_id=request.request_id,
+                tenant_id=t.tenant_id,
+                tier=t.tier,
+                session_id=t.session_id,
+                status=request.status.name.lower(),
+                preemptions=request.num_preemptions,
+                recomputed_tokens=t.recomputed_tokens,
+                block_seconds=kv.accounting.request_done(request.request_id),
+                prompt_tokens=request.num_prompt_tokens,
+                output_tokens=request.num_output_tokens,
+                lease_covered_tokens=t.lease_covered,
+                api_server=request.client_index,
+                recomputed_by=t.recomputed_by or {},
             )
         )
         return result
@@ -1082,14 +1082,14 @@ class TenantSchedulingMixin:
         )
         self.kvlease.events.push(
             LeaseEvent(
-                at,
-                holder.tenant_id,
-                holder.session_id,
-                holder.tier,
-                kind,
-                expires_at,
-                request_id,
-                api_server,
+                at=at,
+                tenant_id=holder.tenant_id,
+                session_id=holder.session_id,
+                tier=holder.tier,
+                kind=kind,
+                expires_at=expires_at,
+                request_id=request_id,
+                api_server=api_server,
             )
         )
 

@@ -38,8 +38,18 @@ def _state(pool=10, free=4, tenants=None, **totals) -> EngineState:
 
 
 def _done(request: str, api_server: int) -> RequestDone:
-    return RequestDone(0.0, request, "acme", "premium", "s1", "finished_stopped", 0, 0, 1.0,
-                       api_server=api_server)  # fmt: skip
+    return RequestDone(
+        at=0.0,
+        request_id=request,
+        tenant_id="acme",
+        tier="premium",
+        session_id="s1",
+        status="finished_stopped",
+        preemptions=0,
+        recomputed_tokens=0,
+        block_seconds=1.0,
+        api_server=api_server,
+    )
 
 
 def test_every_api_process_gets_every_ranks_messages():
@@ -83,12 +93,23 @@ def test_a_full_api_process_bounds_its_backlog_and_counts_what_it_loses():
 
 def test_the_whole_is_the_ranks_summed():
     row = ["acme", "premium", "kv_pressure", "recompute", "premium"]
-    a = _state(10, 4, {"acme": {"running": 3, "cached_leased": 1, "cached": 0}},
-               block_seconds=[["acme", 2.5]], preemptions=[[*row, 1]])  # fmt: skip
-    b = _state(12, 7, {"acme": {"running": 1, "cached_leased": 0, "cached": 2},
-                       "bob": {"running": 2, "cached_leased": 0, "cached": 0}},
-               block_seconds=[["acme", 1.5], ["bob", 1.0]],
-               preemptions=[[*row, 2]])  # fmt: skip
+    a = _state(
+        10,
+        4,
+        {"acme": {"running": 3, "cached_leased": 1, "cached": 0}},
+        block_seconds=[["acme", 2.5]],
+        preemptions=[[*row, 1]],
+    )
+    b = _state(
+        12,
+        7,
+        {
+            "acme": {"running": 1, "cached_leased": 0, "cached": 2},
+            "bob": {"running": 2, "cached_leased": 0, "cached": 0},
+        },
+        block_seconds=[["acme", 1.5], ["bob", 1.0]],
+        preemptions=[[*row, 2]],
+    )
     whole = merge_states([a, b])
     assert (whole.pool_blocks, whole.free_blocks, whole.running, whole.waiting) == (22, 11, 2, 4)
     assert msgspec.to_builtins(whole.tenants["acme"]) == {
@@ -120,7 +141,17 @@ def test_only_the_owning_api_process_joins_a_request_but_every_one_shows_it():
     sample = mine.history.since(60)["samples"][-1]
     assert sample["engines"] == {"0": [12, 7], "1": [10, 4]}
     assert (sample["pool_blocks"], sample["free_blocks"]) == (22, 11)  # the whole
-    preempted = Preemption(time.monotonic(), "kvl-c", "acme", "free", None, "kv_pressure",
-                           "recompute", 3, 64, 1)  # fmt: skip
+    preempted = Preemption(
+        at=time.monotonic(),
+        request_id="kvl-c",
+        tenant_id="acme",
+        tier="free",
+        session_id=None,
+        reason="kv_pressure",
+        mode="recompute",
+        blocks=3,
+        recomputed_tokens=64,
+        api_server=1,
+    )
     mine.apply(Message([preempted], engine=1))
     assert [e["engine"] for e in mine.history.since(60)["events"]] == [1]

@@ -28,7 +28,9 @@ def page(monkeypatch):
     def run(page: str = "live", **env: str) -> AppTest:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        app = AppTest.from_file(str(APP), default_timeout=30)
+        # a script run may take long on a busy machine: the timeout only turns a hang into
+        # a failure
+        app = AppTest.from_file(str(APP), default_timeout=600)
         app.query_params["page"] = page
         return app.run()
 

@@ -65,7 +65,7 @@ def _app(monkeypatch, env: dict[str, str]) -> AppTest:
         monkeypatch.setenv(name, value)
     # A guard against a hung script, not a speed check: on two busy cores (an engine,
     # its load, Prometheus and a browser) one run of the page has taken over 30 s.
-    return AppTest.from_file(str(APP), default_timeout=180).run()
+    return AppTest.from_file(str(APP), default_timeout=600).run()  # a hang, not a slow run
 
 
 def test_an_idle_engine_shows_an_empty_page_not_an_error(server, monkeypatch):

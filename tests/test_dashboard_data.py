@@ -39,7 +39,17 @@ def _typed(state: dict) -> EngineState:
 
 
 def _preemption(at: float, tenant: str, reason: str = "kv_pressure", blocks: int = 1):
-    return Preemption(at, KVL, tenant, "free", None, reason, "recompute", blocks, 0)
+    return Preemption(
+        at=at,
+        request_id=KVL,
+        tenant_id=tenant,
+        tier="free",
+        session_id=None,
+        reason=reason,
+        mode="recompute",
+        blocks=blocks,
+        recomputed_tokens=0,
+    )
 
 
 def _history(state: dict, label=None) -> History:
@@ -51,8 +61,17 @@ def _history(state: dict, label=None) -> History:
         history.add_state({0: _typed(state)}, wall=now - 100 + i * 10)
     mono = time.monotonic()
     history.add_event(_preemption(mono - 30, "bob", "admit_higher_tier", 4))
-    history.add_event(Eviction(mono - 20, "bob", "free", leased=False, blocks=3))
-    history.add_event(LeaseEvent(mono, "acme", None, "premium", "renew", None))  # not kept
+    history.add_event(Eviction(at=mono - 20, tenant_id="bob", tier="free", leased=False, blocks=3))
+    history.add_event(
+        LeaseEvent(
+            at=mono,
+            tenant_id="acme",
+            session_id=None,
+            tier="premium",
+            kind="renew",
+            expires_at=None,
+        )
+    )  # not kept
     return history
 
 
@@ -315,8 +334,20 @@ def test_who_took_whose_cache_pairs_each_victim_with_the_tier_that_took_it():
 def test_history_events_carry_the_cause_as_a_label():
     history = History(TenantLabels(max_labels=1), window=600)
     mono = time.monotonic()
-    history.add_event(Eviction(mono, "bob", "free", False, 3, by_tier="premium", by_tenant="acme"))
-    history.add_event(Eviction(mono, "bob", "free", False, 1))  # no cause known
+    history.add_event(
+        Eviction(
+            at=mono,
+            tenant_id="bob",
+            tier="free",
+            leased=False,
+            blocks=3,
+            by_tier="premium",
+            by_tenant="acme",
+        )
+    )
+    history.add_event(
+        Eviction(at=mono, tenant_id="bob", tier="free", leased=False, blocks=1)
+    )  # no cause known
     first, second = history.since(60)["events"]
     assert (first["by_tier"], first["by_tenant"]) == ("premium", "__other__")  # bounded
     assert (second["by_tier"], second["by_tenant"]) == ("none", None)
@@ -326,7 +357,16 @@ def test_lease_starts_and_expiries_reach_the_timeline_but_not_renewals():
     history = History(TenantLabels(), window=600, every=1.0)
     mono = time.monotonic()
     for kind in ("start", "renew", "expire"):
-        history.add_event(LeaseEvent(mono, "acme", "s1", "premium", kind, None))
+        history.add_event(
+            LeaseEvent(
+                at=mono,
+                tenant_id="acme",
+                session_id="s1",
+                tier="premium",
+                kind=kind,
+                expires_at=None,
+            )
+        )
     live = data.live_from_engine(_state(), history.since(600), time.time())
     assert list(live.events["reason"]) == ["start", "expire"]
     assert set(live.events["kind"]) == {"lease"} and set(live.events["tenant_id"]) == {"acme"}

@@ -60,8 +60,21 @@ def _stats(prompt=10, cached=4, output=6, reason=1):
 
 
 def _done(tenant, recomputed=0, api_server=0):
-    return RequestDone(0.0, "kvl-" + "0" * 32, tenant, "premium", None, "finished_stopped", 1,
-                       recomputed, 1.0, 10, 5, 0, api_server)  # fmt: skip
+    return RequestDone(
+        at=0.0,
+        request_id="kvl-" + "0" * 32,
+        tenant_id=tenant,
+        tier="premium",
+        session_id=None,
+        status="finished_stopped",
+        preemptions=1,
+        recomputed_tokens=recomputed,
+        block_seconds=1.0,
+        prompt_tokens=10,
+        output_tokens=5,
+        lease_covered_tokens=0,
+        api_server=api_server,
+    )
 
 
 def _scrape(collector) -> dict:
@@ -102,11 +115,20 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
                 lease_reuse_tokens=[["premium", "reused", 320], ["premium", "lost", 32]],
                 fair_share_tokens=[["acme", "premium", 96.0, 192.0]],
             )
-            | {"fair_share": [{"tenant_id": "acme", "tier": "premium", "counter": 480.0,
-                               "ratio": 0.5, "waiting": 3}],
-               "reserved_caps": {"standard": 6, "premium": 3}},
+            | {
+                "fair_share": [
+                    {
+                        "tenant_id": "acme",
+                        "tier": "premium",
+                        "counter": 480.0,
+                        "ratio": 0.5,
+                        "waiting": 3,
+                    }
+                ],
+                "reserved_caps": {"standard": 6, "premium": 3},
+            },
         },
-    )  # fmt: skip
+    )
     metrics = TenantMetrics(view, tiers, TenantLabels())
     metrics.request_finished("acme", "premium", _stats())
     metrics.request_finished(None, None, _stats(reason=2))

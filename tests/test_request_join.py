@@ -43,7 +43,19 @@ def _stats(request_id: str = f"chatcmpl-{KVL}", output: int = 5, reason: int = 1
 
 
 def _done(status: str, request_id: str = KVL, output: int = 5) -> RequestDone:
-    return RequestDone(0.0, request_id, None, None, None, status, 0, 0, 0.5, 10, output)
+    return RequestDone(
+        at=0.0,
+        request_id=request_id,
+        tenant_id=None,
+        tier=None,
+        session_id=None,
+        status=status,
+        preemptions=0,
+        recomputed_tokens=0,
+        block_seconds=0.5,
+        prompt_tokens=10,
+        output_tokens=output,
+    )
 
 
 def test_both_halves_deliver_at_the_responses_end_in_either_order(join):

@@ -10,8 +10,10 @@ import subprocess
 import sys
 from datetime import date
 from decimal import Decimal
+from pathlib import Path
 
 from records import NOV, rec
+from waiting import until
 
 from kvlease.dashboard import usage, whatif
 from kvlease.exporters.ledger import UsageLedger
@@ -89,10 +91,14 @@ def test_the_last_week_with_records_ends_on_the_newest_record(tmp_path):
 
 
 def _sleeper(*marks: str) -> subprocess.Popen:
-    """A real process, in its own group, whose command line carries `marks`."""
-    return subprocess.Popen(
+    """A real process, in its own group, whose command line carries `marks` (read back
+    from /proc: for a moment after the spawn it is still empty)."""
+    proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)", *marks], start_new_session=True
     )
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    until(lambda: cmdline.read_bytes(), "the sleeper's command line", 30, interval=0.01)
+    return proc
 
 
 def test_a_job_no_page_polls_is_stopped_with_its_child():
