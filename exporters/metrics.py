@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram, Summary
@@ -47,6 +48,7 @@ class Family:
     kind: str  # "counter", "gauge", "histogram" or "summary" (count and sum)
     help: str
     labels: tuple[str, ...] = ()
+    process: bool = False  # arises in an API process (ProcessMetrics), not in the engine
 
     @property
     def family(self) -> str:
@@ -171,6 +173,7 @@ TOKENS = Family(
     "Tokens by tenant and kind: input (prompt), cached_input (prompt tokens served from the "
     "prefix cache), output, recomputed (computed tokens discarded by preemption).",
     ("tenant_id", "kind"),
+    process=True,
 )
 REQUESTS = Family(
     "vllm_tenant_requests_total",
@@ -178,12 +181,14 @@ REQUESTS = Family(
     "Finished requests by tenant and outcome (completed, aborted, failed; refused: vLLM "
     "answered 4xx before any engine work, so the request has no usage record).",
     ("tenant_id", "outcome"),
+    process=True,
 )
 TTFT = Family(
     "vllm_tenant_time_to_first_token_seconds",
     "histogram",
     "Engine time to first token (queued plus prefill), by tier.",
     ("tier",),
+    process=True,
 )
 TENANT_TTFT = Family(
     "vllm_tenant_tenant_time_to_first_token_seconds",
@@ -191,18 +196,21 @@ TENANT_TTFT = Family(
     "Engine time to first token by tenant: a count and a sum (rate(sum) / rate(count) is "
     "its mean), two series a tenant where a histogram would take sixteen.",
     ("tenant_id",),
+    process=True,
 )
 E2E = Family(
     "vllm_tenant_e2e_request_latency_seconds",
     "histogram",
     "End-to-end request latency in the engine, by tier.",
     ("tier",),
+    process=True,
 )
 QUEUE_TIME = Family(
     "vllm_tenant_request_queue_time_seconds",
     "histogram",
     "Time a request waited in the scheduler's queue before it first ran, by tier.",
     ("tier",),
+    process=True,
 )
 TIME_PER_OUTPUT_TOKEN = Family(
     "vllm_tenant_request_time_per_output_token_seconds",
@@ -210,6 +218,7 @@ TIME_PER_OUTPUT_TOKEN = Family(
     "Each request's mean inter-token latency (decode time over output tokens after the "
     "first), by tier; requests with one output token have none.",
     ("tier",),
+    process=True,
 )
 WAITING = Family(
     "vllm_tenant_waiting_requests",
@@ -231,23 +240,27 @@ LEDGER_RECORDS = Family(
     "vllm_tenant_ledger_records_total",
     "counter",
     "Usage records this API process committed to the ledger.",
+    process=True,
 )
 LEDGER_ERRORS = Family(
     "vllm_tenant_ledger_write_errors_total",
     "counter",
     "Failed ledger commits by this API process (the batch is retried, never dropped).",
+    process=True,
 )
 LEDGER_DEAD_LETTERS = Family(
     "vllm_tenant_ledger_dead_letters_total",
     "counter",
     "Usage records the ledger database refused for their data, set aside to the "
     "dead-letter file instead of blocking the others.",
+    process=True,
 )
 JOIN_OVERFLOWS = Family(
     "vllm_tenant_join_overflows_total",
     "counter",
     "Requests recorded before both halves arrived because the request join was full "
     "(their usage records are flagged partial).",
+    process=True,
 )
 TENANT_INFO = Family(
     "vllm_tenant_info",
@@ -270,40 +283,8 @@ EVENTS_DROPPED = Family(
     "counter",
     "Scheduler events dropped because the bounded event buffer was full.",
 )
-FAMILIES = (
-    KV_BLOCKS,
-    POOL_BLOCKS,
-    FREE_BLOCKS,
-    LEASES_ACTIVE,
-    LEASE_SECONDS_LEFT,
-    PREEMPTIONS,
-    KV_EVICTIONS,
-    CACHED_EVICTIONS,
-    SWAPPED_BLOCKS,
-    LEASE_REUSE,
-    FAIR_VIRTUAL_TOKENS,
-    FAIR_SERVED,
-    FAIR_ENTITLED,
-    BLOCK_SECONDS,
-    RETENTION_BLOCK_SECONDS,
-    TOKENS,
-    REQUESTS,
-    TTFT,
-    TENANT_TTFT,
-    E2E,
-    QUEUE_TIME,
-    TIME_PER_OUTPUT_TOKEN,
-    WAITING,
-    RUNNING,
-    RESERVED_CAP,
-    LEDGER_RECORDS,
-    LEDGER_ERRORS,
-    LEDGER_DEAD_LETTERS,
-    JOIN_OVERFLOWS,
-    TENANT_INFO,
-    BUDGET_USED,
-    EVENTS_DROPPED,
-)
+# Every family above, in declaration order: the one list, built from the declarations.
+FAMILIES = tuple(dict.fromkeys(v for v in list(globals().values()) if isinstance(v, Family)))
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -328,43 +309,22 @@ class ProcessMetrics:
     scrape of any process sums them (prometheus_client's MultiProcessCollector), so a
     scrape sees each process once. inc/observe are O(1)."""
 
-    FAMILIES = (
-        TOKENS,
-        REQUESTS,
-        TTFT,
-        TENANT_TTFT,
-        E2E,
-        QUEUE_TIME,
-        TIME_PER_OUTPUT_TOKEN,
-        LEDGER_RECORDS,
-        LEDGER_ERRORS,
-        LEDGER_DEAD_LETTERS,
-        JOIN_OVERFLOWS,
-    )
+    FAMILIES = tuple(f for f in FAMILIES if f.process)
 
     def __init__(self) -> None:
-        def make(f: Family):
+        def make(f: Family) -> Any:
             if f.kind == "histogram":
                 return Histogram(f.name, f.help, f.labels, buckets=LATENCY_BUCKETS, registry=None)
             if f.kind == "summary":
                 return Summary(f.name, f.help, f.labels, registry=None)
             return PromCounter(f.family, f.help, f.labels, registry=None)
 
-        made = {f: make(f) for f in self.FAMILIES}
-        self._all = [made[f] for f in self.FAMILIES]
-        (
-            self.tokens,
-            self.requests,
-            self.ttft,
-            self.tenant_ttft,
-            self.e2e,
-            self.queue_time,
-            self.time_per_output_token,
-            self.ledger_records,
-            self.ledger_errors,
-            self.dead_letters,
-            self.join_overflows,
-        ) = self._all  # in FAMILIES' order
+        self._made = {f: make(f) for f in self.FAMILIES}
+        self._all = list(self._made.values())
+
+    def __getitem__(self, family: Family) -> Any:
+        """The prometheus_client metric of `family` (one of `FAMILIES`)."""
+        return self._made[family]
 
     def collect(self) -> Iterator[Metric]:
         for metric in self._all:
@@ -389,34 +349,34 @@ class TenantMetrics:
     def request_finished(self, tenant: str | None, tier: str | None, stats) -> None:
         """One vLLM FinishedRequestStats, attributed to its tenant."""
         label, tier_label = self.labels(tenant), tier or UNCLASSIFIED
-        tokens = self.process.tokens
+        tokens = self.process[TOKENS]
         tokens.labels(label, "input").inc(stats.num_prompt_tokens)
         tokens.labels(label, "cached_input").inc(stats.num_cached_tokens)
         tokens.labels(label, "output").inc(stats.num_generation_tokens)
-        self.process.requests.labels(label, finish_outcome(stats.finish_reason)).inc()
+        self.process[REQUESTS].labels(label, finish_outcome(stats.finish_reason)).inc()
         ttft = stats.queued_time + stats.prefill_time
-        self.process.ttft.labels(tier_label).observe(ttft)
-        self.process.tenant_ttft.labels(label).observe(ttft)
-        self.process.e2e.labels(tier_label).observe(stats.e2e_latency)
-        self.process.queue_time.labels(tier_label).observe(stats.queued_time)
+        self.process[TTFT].labels(tier_label).observe(ttft)
+        self.process[TENANT_TTFT].labels(label).observe(ttft)
+        self.process[E2E].labels(tier_label).observe(stats.e2e_latency)
+        self.process[QUEUE_TIME].labels(tier_label).observe(stats.queued_time)
         if stats.num_generation_tokens > 1:
-            tpot = self.process.time_per_output_token
+            tpot = self.process[TIME_PER_OUTPUT_TOKEN]
             tpot.labels(tier_label).observe(stats.mean_time_per_output_token)
 
     def request_refused(self, tenant: str) -> None:
         """vLLM refused a tenant's request (HTTP 4xx: validation, an unknown model) before
         any engine work: nothing to bill, so no usage record; counted here."""
-        self.process.requests.labels(self.labels(tenant), "refused").inc()
+        self.process[REQUESTS].labels(self.labels(tenant), "refused").inc()
 
     def engine_event(self, event: object) -> None:
         """A request of this process left the engine: count its recomputed tokens (the
         view hands each API process only the events of its own requests)."""
         if isinstance(event, RequestDone) and event.recomputed_tokens:
             label = self.labels(event.tenant_id)
-            self.process.tokens.labels(label, "recomputed").inc(event.recomputed_tokens)
+            self.process[TOKENS].labels(label, "recomputed").inc(event.recomputed_tokens)
 
     def collect(self) -> Iterator[Metric]:
-        fam = {f.name: _family(f) for f in FAMILIES if f not in ProcessMetrics.FAMILIES}
+        fam = {f.name: _family(f) for f in FAMILIES if not f.process}
         engines = self.view.engines()
         if engines:
             self._engine_families(fam, engines)

@@ -33,7 +33,7 @@ from kvlease.engine.tenancy import TierTable
 from kvlease.exporters import tracing
 from kvlease.exporters.join import RequestJoin
 from kvlease.exporters.ledger import DB_ENV, UsageLedger
-from kvlease.exporters.metrics import TenantMetrics
+from kvlease.exporters.metrics import JOIN_OVERFLOWS, TenantMetrics
 from kvlease.exporters.open_records import OpenRecords
 from kvlease.exporters.spend import SpendTracker
 from kvlease.exporters.view import EngineView
@@ -66,7 +66,7 @@ class Telemetry:
             REGISTRY.register(metrics)
             self.metrics = metrics
             self.view.add_listener(metrics.engine_event)
-            self.join.on_overflow = metrics.process.join_overflows.inc
+            self.join.on_overflow = metrics.process[JOIN_OVERFLOWS].inc
             if os.environ.get(DB_ENV):
                 ledger = UsageLedger(os.environ[DB_ENV])
                 self.writer = LedgerWriter(ledger, tiers, metrics=metrics.process)

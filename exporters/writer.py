@@ -41,7 +41,12 @@ from kvlease.exporters.ledger import (
     causes_text,
     retention_key,
 )
-from kvlease.exporters.metrics import ProcessMetrics
+from kvlease.exporters.metrics import (
+    LEDGER_DEAD_LETTERS,
+    LEDGER_ERRORS,
+    LEDGER_RECORDS,
+    ProcessMetrics,
+)
 
 WAIT_ENV = "KVLEASE_LEDGER_WAIT_SECONDS"
 DEAD_LETTER_FILE = "ledger-dead-letters.jsonl"  # under KVLEASE_HOME
@@ -199,13 +204,13 @@ class LedgerWriter:
                 break
             except Exception:  # the database itself: retry the batch, never drop it
                 self.write_errors += 1
-                self.metrics.ledger_errors.inc()
+                self.metrics[LEDGER_ERRORS].inc()
                 logger.exception(
                     "kvlease ledger: commit of %d records failed; retrying", len(batch)
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        self.metrics.ledger_records.inc(len(batch))
+        self.metrics[LEDGER_RECORDS].inc(len(batch))
         with self._lock:
             for record in batch:
                 waiter = self._waiters.pop(record.request_id, None)
@@ -236,7 +241,7 @@ class LedgerWriter:
         """Set aside a record the database will never take, with the reason: one JSON line
         each, appended and fsynced, for an operator to fix and replay (writes are idempotent)."""
         self.dead_letters += 1
-        self.metrics.dead_letters.inc()
+        self.metrics[LEDGER_DEAD_LETTERS].inc()
         reason = str(getattr(exc, "orig", exc)).splitlines()[0][:500]
         logger.error(
             "kvlease ledger: record %s refused by the database (%s); set aside in %s",
