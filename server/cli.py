@@ -9,11 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvlease.engine.auth import AuthSettings, KeyConfigError, KeyRing, mint_token
 from kvlease.engine.runtime import DependencyError, VllmVersionError
 from kvlease.engine.tenancy import TierConfigError, TierTable
 from kvlease.replay.command import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
+
+# Flags several commands share, declared once (argparse parent parsers).
+_LEDGER = argparse.ArgumentParser(add_help=False)
+_LEDGER.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
+_TIERS = argparse.ArgumentParser(add_help=False)
+_TIERS.add_argument("--tiers", default=None, help="tier table TOML ($KVLEASE_TIERS)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -27,11 +34,22 @@ def _build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
+    _token_parser(sub)
+    _usage_parser(sub)
+    _dashboard_parser(sub)
+    _grafana_parser(sub)
+    _replay_parser(sub)
+    _demo_parser(sub)
+    return parser
+
+
+def _token_parser(sub: Any) -> None:
     token = sub.add_parser(
         "token",
         help="mint a tenant JWT signed with the configured key",
         description="Mint a JWT for a tenant. Key: $KVLEASE_JWT_SECRET or --jwt-keys. "
         "Prints only the token.",
+        parents=[_TIERS],
     )
     token.add_argument("--tenant", required=True, help="tenant id (the token's tenant_id)")
     token.add_argument("--tier", required=True, help="a tier name from the tier table")
@@ -43,8 +61,9 @@ def _build_parser() -> argparse.ArgumentParser:
     token.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds (3600)")
     token.add_argument("--kid", default=None, help="signing key id in the key ring")
     token.add_argument("--jwt-keys", default=None, help="JWKS key-ring file ($KVLEASE_JWT_KEYS)")
-    _add_tiers_arg(token)
 
+
+def _usage_parser(sub: Any) -> None:
     usage = sub.add_parser("usage", help="the usage ledger")
     usage_sub = usage.add_subparsers(dest="usage_command", required=True)
     export = usage_sub.add_parser(
@@ -53,6 +72,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Export usage ended in [--from, --to) or in --month (UTC dates or ISO "
         "times; default: this month) as CSV. Exits 1, saying so on stderr, when the window "
         "holds no usage: a scheduled job notices an empty month.",
+        parents=[_LEDGER, _TIERS],
     )
     when = export.add_mutually_exclusive_group()
     when.add_argument("--month", default=None, help="a calendar month, e.g. 2026-11")
@@ -68,17 +88,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--tenant", action="append", default=[], help="repeatable")
     export.add_argument("-o", "--output", default="-", help="file, or - for stdout")
-    export.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
-    _add_tiers_arg(export)
     load = usage_sub.add_parser(
         "import",
         help="load raw records (the --format raw CSV) into the ledger; re-importing adds nothing",
         description="Import raw usage records. Each bad row is one line on stderr (line "
         "number, reason) and is skipped; the good rows are imported. Exit status 1 if any "
         "row was bad.",
+        parents=[_LEDGER],
     )
     load.add_argument("file", help="CSV file, or - for stdin")
-    load.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
     load.add_argument(
         "--create",
         action="store_true",
@@ -88,24 +106,26 @@ def _build_parser() -> argparse.ArgumentParser:
         "prune",
         help="delete raw records ended before a date; the hourly rollups (and so every "
         "FOCUS export by hour, day or month) are kept",
+        parents=[_LEDGER],
     )
     prune.add_argument("--before", required=True, help="UTC date or whole hour, e.g. 2026-10-01")
-    prune.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
-    rebuild = usage_sub.add_parser(
+    usage_sub.add_parser(
         "rebuild-rollups",
         help="recompute the hourly rollups from the raw records (after the prune horizon)",
+        parents=[_LEDGER],
     )
-    rebuild.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
 
+
+def _dashboard_parser(sub: Any) -> None:
     dash = sub.add_parser(
         "dashboard",
         help="the Streamlit page for SREs and finance",
         description="Live KV occupancy, leases and evictions from one engine's admin API or "
         "a Prometheus server, and usage and the FOCUS CSV from the ledger.",
+        parents=[_LEDGER],
     )
     dash.add_argument("--engine", default=None, help="kvlease server URL (http://127.0.0.1:8000)")
     dash.add_argument("--prometheus", default=None, help="Prometheus URL, for a fleet")
-    dash.add_argument("--usage-db", default=None, help="ledger URL ($KVLEASE_USAGE_DB)")
     dash.add_argument(
         "--token",
         default=None,
@@ -115,12 +135,15 @@ def _build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--address", default="127.0.0.1")
     dash.add_argument("--refresh", type=float, default=2.0, help="seconds, at least 2")
 
+
+def _grafana_parser(sub: Any) -> None:
     grafana = sub.add_parser("grafana", help="the bundled Grafana dashboards")
     grafana_sub = grafana.add_subparsers(dest="grafana_command", required=True)
     gbuild = grafana_sub.add_parser(
         "build",
         help="regenerate grafana/dashboards/*.json",
         description="Write the dashboards' JSON; the cost panel uses the tier table's prices.",
+        parents=[_TIERS],
     )
     gbuild.add_argument("--out", default=None, help="folder (default: grafana/dashboards)")
     gbuild.add_argument(
@@ -129,8 +152,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="URL of docs/alerts.md where your team serves it, for the alerts' runbook_url "
         "(default: the relative path docs/alerts.md)",
     )
-    _add_tiers_arg(gbuild)
 
+
+def _replay_parser(sub: Any) -> None:
     replay = sub.add_parser(
         "replay",
         help="what if: recorded traffic against a proposed tier table or pool, offline",
@@ -181,11 +205,14 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--quiet", action="store_true", help="no table, no progress bar")
     replay.add_argument("--model", default=None, help="model folder (default: demo model)")
 
+
+def _demo_parser(sub: Any) -> None:
     demo = sub.add_parser(
         "demo",
         help="the whole system, live: server, tenants' traffic, dashboard, Prometheus",
         description="Start kvlease serve on a small pool, Prometheus and the dashboard, and "
         "play a multi-tenant chat workload until --duration or Ctrl-C; then print a summary.",
+        parents=[_TIERS],
     )
     demo.add_argument("--duration", type=float, default=None, help="seconds (default: Ctrl-C)")
     demo.add_argument(
@@ -198,12 +225,6 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard")
     demo.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     demo.add_argument("--model", default=None, help="local path or hub id (default: demo model)")
-    _add_tiers_arg(demo)
-    return parser
-
-
-def _add_tiers_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tiers", default=None, help="tier table TOML ($KVLEASE_TIERS)")
 
 
 def _token(args: argparse.Namespace) -> int:
