@@ -53,6 +53,11 @@ class Candidate:
     counter: float = 0.0  # its tenant's virtual token counter (0 without fair share)
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks `tokens` tokens take (a ceiling division, the one spelling of it here)."""
+    return -(-tokens // block_size)
+
+
 def protection_rank(classified: bool, leased: bool, tier_priority: int) -> tuple[int, int, int]:
     """Coarse class of a request: smaller is more protected. Stable while it runs."""
     if not classified:

@@ -31,11 +31,6 @@ from kvlease.engine.retention import RetentionMeter
 from kvlease.engine.settings import SchedulerSettings
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    """Blocks `tokens` tokens take (a ceiling division, the one spelling of it here)."""
-    return -(-tokens // block_size)
-
-
 class KvleaseState:
     """kvlease's state on one scheduler (one data-parallel rank), and its invariants
     (checked by the synthetic and real-engine tests; with `debug_accounting` the block

@@ -20,7 +20,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvlease.engine.policy import leased_cap_blocks, unreserved_blocks
+from kvlease.engine.policy import (
+    lease_caps_error,
+    leased_cap_blocks,
+    tenant_cap_error,
+    unreserved_blocks,
+)
 from kvlease.engine.reservations import ReservePolicy, reserve_mode
 
 TIERS_ENV = "KVLEASE_TIERS"
@@ -185,6 +190,23 @@ class TierTable(Mapping[str, Tier]):
             for t in self.tiers.values()
             if t.max_tenant_kv_share < 1.0
         }
+
+    def pool_error(self, pool_blocks: int, request_blocks: int) -> str | None:
+        """Why this table cannot run on `pool_blocks` usable blocks with requests of up
+        to `request_blocks`, or None: every tenant cap must hold one such request, and
+        the lease caps must leave one unreserved. The one check, used by `kvlease serve`
+        before the engine starts and by the scheduler when vLLM has sized the pool."""
+        return self.tenant_caps_error(pool_blocks, request_blocks) or lease_caps_error(
+            pool_blocks, self.leased_caps(pool_blocks), request_blocks
+        )
+
+    def tenant_caps_error(self, pool_blocks: int, request_blocks: int) -> str | None:
+        """`pool_error`'s first half: a tier whose tenant cap cannot hold one request."""
+        for tier, cap in self.tenant_kv_caps(pool_blocks).items():
+            error = tenant_cap_error(tier, cap, pool_blocks, request_blocks)
+            if error is not None:
+                return error
+        return None
 
     def max_request_tokens(self, pool_blocks: int, block_size: int) -> int:
         """The longest request (max_model_len) these caps allow on a pool of `pool_blocks`

@@ -77,17 +77,16 @@ from kvlease.engine.policy import (  # noqa: E402
     Candidate,
     CostModel,
     admission_victims,
-    lease_caps_error,
+    blocks_for,
     leases_yield,
     may_take,
     preemption_mode,
     protection_rank,
     service_key,
-    tenant_cap_error,
     within_class_key,
 )
 from kvlease.engine.reservations import ReturnModel  # noqa: E402
-from kvlease.engine.scheduler_state import KvleaseState, blocks_for  # noqa: E402
+from kvlease.engine.scheduler_state import KvleaseState  # noqa: E402
 from kvlease.engine.settings import SchedulerSettings, SettingsError  # noqa: E402
 from kvlease.engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
 
@@ -275,10 +274,6 @@ class TenantSchedulingMixin:
         # PRIORITY vLLM picks its own victims by (priority, arrival) as stock does.
         # Within a tier, tenants take turns by fair share (kvlease.engine.fairness).
         kv.kv_caps = tiers.tenant_kv_caps(usable)
-        for name, cap in kv.kv_caps.items():
-            error = tenant_cap_error(name, cap, usable, request_blocks)
-            if error is not None:
-                raise SettingsError(error)
         self.waiting = TenantWaitingQueue(self._bucket_of, len(tiers) + 1, self._make_bucket)
         self.running = _RunningList(self._admitted, self._service_key)
 
@@ -289,7 +284,7 @@ class TenantSchedulingMixin:
             tier.name: sum(1 for name in caps if may_take(tier.priority, tiers[name].priority))
             for tier in tiers.values()
         }
-        self._check_lease_caps(list(caps), usable, request_blocks)
+        self._check_pool(usable, request_blocks)
         paybacks = [kv.reserve_policy[name].min_payback for name in caps]
         if not settings.reserve_payback:
             paybacks = [0.0] * len(paybacks)
@@ -331,8 +326,9 @@ class TenantSchedulingMixin:
         if kv.publisher is not None:
             self._publish(with_state=True)  # so /admin/state answers before the first step
 
-    def _check_lease_caps(self, leased_tiers: list[str], usable: int, request_blocks: int) -> None:
-        """Refuse caps that leave less than one `max_model_len` request unreserved.
+    def _check_pool(self, usable: int, request_blocks: int) -> None:
+        """Refuse caps that leave a tenant, or the blocks no lease can hold, less than one
+        `max_model_len` request (`TierTable.pool_error`, as `kvlease serve` checks first).
 
         vLLM's engine refuses to start unless the pool holds one `max_model_len` request;
         kvlease asks the same of the blocks no lease can hold. A scheduler built by hand on
@@ -340,7 +336,11 @@ class TenantSchedulingMixin:
         any lease at all: there leases reserve nothing, and the log says so.
         """
         kv = self.kvlease
+        tiers = kv.settings.tiers
         if request_blocks > usable:
+            error = tiers.tenant_caps_error(usable, request_blocks)
+            if error is not None:
+                raise SettingsError(error)
             if any(kv.caps):
                 logger.warning(
                     "kvlease: %d KV blocks hold less than one max_model_len request (%d "
@@ -350,8 +350,7 @@ class TenantSchedulingMixin:
                 )
             kv.caps = [0] * len(kv.caps)
             return
-        caps = dict(zip(leased_tiers, kv.caps, strict=True))
-        error = lease_caps_error(usable, caps, request_blocks)
+        error = tiers.pool_error(usable, request_blocks)
         if error is not None:
             raise SettingsError(error)
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvlease.demo.workload import Turn
 from kvlease.engine.events import RequestDone, Retention
+from kvlease.engine.policy import blocks_for
 from kvlease.engine.tenancy import TierTable
 from kvlease.replay.clock import StepCost
 from kvlease.replay.sessions import Arrival, StepTrace
@@ -276,7 +277,7 @@ def _stride(
             stride -= 1
     if stride <= 1:
         return 1
-    blocks = len(running) * (-(-stride // BLOCK) + 1)
+    blocks = len(running) * (blocks_for(stride, BLOCK) + 1)
     return stride if scheduler.kvlease.free_queue.free_unreserved >= blocks else 1
 
 

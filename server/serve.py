@@ -35,6 +35,7 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from kvlease.engine.auth import KEYS_ENV
 from kvlease.engine.budgets import BUDGETS_ENV, BudgetConfigError, BudgetTable
 from kvlease.engine.labels import HASH_ENV as HASH_LABELS_ENV
 from kvlease.engine.labels import MAX_ENV as MAX_LABELS_ENV
-from kvlease.engine.policy import lease_caps_error, tenant_cap_error
+from kvlease.engine.policy import blocks_for
 from kvlease.engine.runtime import (
     DependencyError,
     VllmVersionError,
@@ -76,20 +77,51 @@ EXTERNAL_LB_FLAGS = (
 STARTING = error_body(503, "the engine is starting; retry shortly", "engine_starting")
 
 
+@dataclass(frozen=True)
+class Flag:
+    """One of kvlease serve's own flags, and where it goes: a `KVLEASE_*` variable the
+    server's processes read (a path made absolute, a value, or "1" for a switch)."""
+
+    flag: str
+    kind: str  # "path", "int", "switch" or "arg" (read here, not passed on)
+    env: str | None
+    help: str
+
+
+FLAGS = (
+    Flag("--model", "arg", None, "PATH|ID: a local model folder or hub id (default: demo)"),
+    Flag("--tiers", "path", TIERS_ENV, "PATH: the tier table TOML"),
+    Flag("--jwt-keys", "path", KEYS_ENV, "PATH: a JWKS key ring"),
+    Flag("--num-blocks", "int", None, "N: the KV pool, in blocks (vLLM's override)"),
+    Flag("--max-tenant-labels", "int", MAX_LABELS_ENV, "N: tenant label values at most"),
+    Flag("--otel", "switch", OTEL_ENV, "send OpenTelemetry spans"),
+    Flag("--usage-db", "arg", None, "URL: the usage ledger"),
+    Flag("--budgets", "path", BUDGETS_ENV, "PATH: the budget file"),
+    Flag("--metrics-auth", "switch", METRICS_AUTH_ENV, "/metrics needs a metrics token"),
+    Flag("--hash-tenant-labels", "switch", HASH_LABELS_ENV, "tenant ids hashed in labels"),
+)
+
+
 def _kvlease_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="kvlease serve", add_help=False)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--tiers", default=None)
-    parser.add_argument("--jwt-keys", default=None)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--max-tenant-labels", type=int, default=None)
-    parser.add_argument("--otel", action="store_true")
-    parser.add_argument("--metrics-auth", action="store_true")
-    parser.add_argument("--hash-tenant-labels", action="store_true")
-    parser.add_argument("--usage-db", default=None)
-    parser.add_argument("--budgets", default=None)
+    for f in FLAGS:
+        if f.kind == "switch":
+            parser.add_argument(f.flag, action="store_true")
+        else:
+            parser.add_argument(f.flag, type=int if f.kind == "int" else str, default=None)
     parser.add_argument("-h", "--help", action="store_true")
     return parser.parse_known_args(list(argv))
+
+
+def _export(args: argparse.Namespace) -> None:
+    """Copy kvlease's flags to the environment every server process reads."""
+    for f in FLAGS:
+        value = getattr(args, f.flag.removeprefix("--").replace("-", "_"))
+        if f.env is None or value in (None, False):
+            continue
+        if f.kind == "path":
+            value = Path(value).resolve()
+        os.environ[f.env] = "1" if f.kind == "switch" else str(value)
 
 
 def _has(flag: str, argv: Sequence[str]) -> bool:
@@ -143,14 +175,9 @@ def check_pool(vllm_args: argparse.Namespace) -> None:
             f"tokens per request (one block is vLLM's null block); lower --max-model-len "
             f"({max_len}) or raise --num-blocks"
         )
-    tiers = TierTable.load()
-    request_blocks = -(-max_len // block)
-    errors = [lease_caps_error(blocks - 1, tiers.leased_caps(blocks - 1), request_blocks)]
-    for tier, cap in tiers.tenant_kv_caps(blocks - 1).items():
-        errors.append(tenant_cap_error(tier, cap, blocks - 1, request_blocks))
-    for error in errors:
-        if error is not None:
-            raise ConfigError(f"--num-blocks {blocks}, --max-model-len {max_len}: {error}")
+    error = TierTable.load().pool_error(blocks - 1, blocks_for(max_len, block))
+    if error is not None:
+        raise ConfigError(f"--num-blocks {blocks}, --max-model-len {max_len}: {error}")
 
 
 def vllm_cli_args():
@@ -163,60 +190,61 @@ def vllm_cli_args():
     return cli_args.make_arg_parser, cli_args.validate_parsed_serve_args
 
 
+# Configuration errors: one line on stderr and exit status 2, never a traceback.
+CONFIG_ERRORS = (
+    ConfigError,
+    TierConfigError,
+    BudgetConfigError,
+    VllmVersionError,
+    DependencyError,
+)
+
+
 def run_serve(argv: Sequence[str]) -> int:
     args, rest = _kvlease_args(argv)
     if args.help:
         print(__doc__)
-        print(
-            "kvlease flags: --model PATH|ID  --tiers PATH  --jwt-keys PATH  --num-blocks N  "
-            "--max-tenant-labels N  --otel  --usage-db URL  --budgets PATH  --metrics-auth  "
-            "--hash-tenant-labels"
-        )
+        print("kvlease flags:")
+        for f in FLAGS:
+            print(f"  {f.flag:22} {f.help}")
         print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
         return 0
+    from kvlease.exporters.ledger import LedgerError
+
+    try:
+        vllm_args, api_servers = _configure(args, rest)
+    except (*CONFIG_ERRORS, LedgerError) as exc:  # a ledger error's message hides the password
+        print(f"kvlease serve: error: {exc}", file=sys.stderr)
+        return 2
+    if api_servers > 1:
+        from vllm.entrypoints.cli.serve import run_multi_api_server
+
+        run_multi_api_server(vllm_args)  # engines here, API processes spawned; blocks
+        return 0
+    try:
+        with asyncio.Runner(loop_factory=_draining_loop()) as runner:
+            runner.run(_serve(vllm_args))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _configure(args: argparse.Namespace, rest: list[str]) -> tuple[argparse.Namespace, int]:
+    """Check every setting before the engine starts (a bad one raises one of
+    CONFIG_ERRORS), prepare the environment; vLLM's arguments and the API process count."""
     for flag in OWNED_FLAGS:
         if _has(flag, rest):
-            print(f"kvlease serve: error: {flag} is set by kvlease serve itself", file=sys.stderr)
-            return 2
-    if args.tiers:
-        os.environ[TIERS_ENV] = str(Path(args.tiers).resolve())
-    if args.jwt_keys:
-        os.environ[KEYS_ENV] = str(Path(args.jwt_keys).resolve())
-    if args.budgets:
-        os.environ[BUDGETS_ENV] = str(Path(args.budgets).resolve())
-    if args.max_tenant_labels is not None:
-        os.environ[MAX_LABELS_ENV] = str(args.max_tenant_labels)
-    if args.otel:
-        os.environ[OTEL_ENV] = "1"
-    if args.metrics_auth:
-        os.environ[METRICS_AUTH_ENV] = "1"
-    if args.hash_tenant_labels:
-        os.environ[HASH_LABELS_ENV] = "1"
-    from kvlease.exporters.ledger import DB_ENV, default_url
+            raise ConfigError(f"{flag} is set by kvlease serve itself")
+    _export(args)
+    from kvlease.exporters.ledger import DB_ENV, UsageLedger, default_url
 
     os.environ[DB_ENV] = args.usage_db or default_url()
-    try:
-        from kvlease.exporters.ledger import LedgerError, UsageLedger
-
-        UsageLedger(os.environ[DB_ENV])  # reachable, and migrated, before the engine starts
-    except LedgerError as exc:  # its message hides the password
-        print(f"kvlease serve: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
-        require_vllm()
-        check_dependencies()
-        if os.environ.get(BUDGETS_ENV):
-            BudgetTable.load(os.environ[BUDGETS_ENV])
-    except (
-        ConfigError,
-        TierConfigError,
-        BudgetConfigError,
-        VllmVersionError,
-        DependencyError,
-    ) as exc:
-        print(f"kvlease serve: error: {exc}", file=sys.stderr)
-        return 2
+    UsageLedger(os.environ[DB_ENV])  # reachable, and migrated, before the engine starts
+    ServerConfig.from_env()  # keys, tiers, salt: fail here, not inside the app
+    require_vllm()
+    check_dependencies()
+    if os.environ.get(BUDGETS_ENV):
+        BudgetTable.load(os.environ[BUDGETS_ENV])
 
     from kvlease.engine.channel import ADDRESS_ENV, new_address
 
@@ -239,25 +267,8 @@ def run_serve(argv: Sequence[str]) -> int:
     parser = make_arg_parser(FlexibleArgumentParser(prog="kvlease serve"))
     vllm_args = parser.parse_args(vllm_argv(args, rest, model, demo))
     validate_parsed_serve_args(vllm_args)
-    try:
-        check_pool(vllm_args)
-        api_servers = scale_out(vllm_args)
-    except ConfigError as exc:
-        print(f"kvlease serve: error: {exc}", file=sys.stderr)
-        return 2
-
-    if api_servers > 1:
-        from vllm.entrypoints.cli.serve import run_multi_api_server
-
-        run_multi_api_server(vllm_args)  # engines here, API processes spawned; blocks
-        return 0
-
-    try:
-        with asyncio.Runner(loop_factory=_draining_loop()) as runner:
-            runner.run(_serve(vllm_args))
-    except KeyboardInterrupt:
-        return 0
-    return 0
+    check_pool(vllm_args)
+    return vllm_args, scale_out(vllm_args)
 
 
 def scale_out(vllm_args: argparse.Namespace) -> int:
