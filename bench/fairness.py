@@ -123,10 +123,10 @@ def play(engine: Any, steps: int, tenants: dict[str, int], seed: int = 0) -> dic
         if step > WARMUP:
             got = [scheduler.service[t] - base.get(t, 0.0) for t in TENANTS]
             worst_gap = max(worst_gap, max(got) - min(got))
-        shares = getattr(scheduler, "_shares", None)
-        account = shares[TIER].accounts.get("heavy") if shares else None
+        kv = getattr(scheduler, "kvlease", None)  # None: stock vLLM
+        account = kv.shares[TIER].accounts.get("heavy") if kv else None
         if account is not None and account.requests:
-            most_held = max(most_held, scheduler.kvlease.held_blocks(account)[0])
+            most_held = max(most_held, kv.held_blocks(account)[0])
     service = {t: scheduler.service[t] - base.get(t, 0.0) for t in TENANTS}
     llm.abort_request(list(outstanding))  # leave the engine empty for the next way
     while llm.has_unfinished_requests():

@@ -109,7 +109,7 @@ def play(
     scheduler.bench = Observations()
     llm.reset_prefix_cache()
     step = 0
-    if hasattr(scheduler, "leases"):  # kvlease's lease clock follows the steps of this run
+    if hasattr(scheduler, "kvlease"):  # kvlease's lease clock follows the steps of this run
         scheduler.forget_history()  # no think times or payback yet, as on a fresh server
         origin = time.monotonic() + 10_000.0 * (1 + _runs(scheduler))  # past every older lease
         scheduler.kvlease.clock = lambda: origin + step / steps_per_second

@@ -55,19 +55,16 @@ from vllm.v1.core.sched.request_queue import (  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from kvlease.engine import snapshot  # noqa: E402
 from kvlease.engine.channel import Publisher  # noqa: E402
 from kvlease.engine.events import (  # noqa: E402
     NO_CAUSE,
     EngineState,
     Eviction,
-    Lease,
     LeaseEvent,
-    LeaseSummary,
     Message,
     Preemption,
     RequestDone,
-    TenantHolding,
-    Totals,
 )
 from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST, Account  # noqa: E402
 from kvlease.engine.free_queue import Holder, TenantFreeBlockQueue  # noqa: E402
@@ -161,7 +158,6 @@ VLLM_SURFACE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 )  # fmt: skip
 
 RequestQueue.register(TenantWaitingQueue)
-MAX_LEASES_LISTED = 1000  # /admin/state lists at most this many; lease_summary covers all
 
 
 @dataclass(slots=True)
@@ -1149,137 +1145,19 @@ class TenantSchedulingMixin:
 
     def sample_accounting(self):
         """Occupancy by tenant and state now; integrates block-seconds; checks the books."""
-        kv = self.kvlease
-        now = kv.clock()
-        kv.last_sample = now
-        tenants: dict[str, TenantHolding] = {}
-        seen: set[int] = set()
-        request_blocks: dict[str, int] = {}
         get_blocks = self.kv_cache_manager.coordinator.get_blocks
-        # O(blocks held), the one per-block loop off the step path: kept tight, no lists.
-        for request_id, t in kv.tenancy.items():
-            held_by_request = first_seen = 0
-            for group in get_blocks(request_id):
-                for block in group:
-                    if block.is_null:
-                        continue
-                    held_by_request += 1
-                    if block.block_id not in seen:  # a shared prefix block counts once
-                        seen.add(block.block_id)
-                        first_seen += 1
-            if held_by_request:
-                request_blocks[request_id] = held_by_request
-                held = tenants.setdefault(kv.label(t.tenant_id), TenantHolding())
-                held.running += first_seen
-        # Blocks vLLM has not returned yet (a connector still reads them, or a step in
-        # flight may still write them) are held: by their session's tenant.
-        pending = [(h, get_blocks(r)) for r, h in kv.delayed.items()]
-        pending += [(kv.deferred_owner.get(id(b)), (b,)) for _, b in self.deferred_frees]
-        for holder, groups in pending:
-            first_seen = 0
-            for group in groups:
-                for block in group:
-                    if not block.is_null and block.block_id not in seen:
-                        seen.add(block.block_id)
-                        first_seen += 1
-            if first_seen:
-                tenant = holder.tenant_id if holder is not None else None
-                tenants.setdefault(kv.label(tenant), TenantHolding()).running += first_seen
-        kv.retention.integrate_all(now, kv.label)
-        for holder in kv.holders.values():
-            if holder.cached or holder.leased:
-                held = tenants.setdefault(kv.label(holder.tenant_id), TenantHolding())
-                held.cached += holder.cached
-                held.cached_leased += holder.leased
-        return kv.accounting.sample(
-            now,
-            pool_blocks=kv.pool.num_gpu_blocks - 1,
-            free_blocks=kv.pool.get_num_free_blocks(),
-            referenced_blocks=len(seen),
-            tenants=tenants,
-            request_blocks=request_blocks,
-            check=kv.settings.debug_accounting,
-        )
+        return snapshot.sample(self.kvlease, get_blocks, self.deferred_frees)
 
     def state(self, sample: bool = True) -> EngineState:
-        """The pool, leases, queues and cumulative totals, for the API process.
-
-        `expires_at` is on the machine's monotonic clock, which every process
-        shares, so a reader can count seconds left itself; `seconds_left` is
-        as of `at` (None while a request of the session is in flight).
-        """
-        kv = self.kvlease
-        snap = kv.accounting.last
+        """The pool, leases, queues and cumulative totals, for the API process
+        (`snapshot.engine_state`); sampled now unless `sample` is False and a sample exists."""
+        snap = self.kvlease.accounting.last
         if sample or snap is None:
             snap = self.sample_accounting()
-        now = kv.clock()
-        leases, summary = self._leases(now)
-        fair = kv.fair_share_rows()
-        kv.settle_fair_share()  # before the totals: it adds to them
-        acc = kv.accounting
-        return EngineState(
-            at=now,
-            pool_blocks=snap.pool_blocks,
-            free_blocks=snap.free_blocks,
-            tenants=snap.tenants,
-            tenant_tiers=dict(kv.tenant_tiers),
-            leases=leases,
-            leases_total=len(kv.leases.sessions()),
-            lease_summary=summary,
-            running=len(self.running),
-            waiting=len(self.waiting),
-            waiting_by_tier=dict(
-                zip(
-                    [*kv.settings.tiers, UNCLASSIFIED],
-                    self.waiting.bucket_sizes(),
-                    strict=True,
-                )
-            ),
-            events_dropped=kv.events.dropped,
-            totals=Totals(
-                preemptions=[(*k, n) for k, n in acc.preemptions.items()],
-                preempted_blocks=[(*k, n) for k, n in acc.preempted_blocks.items()],
-                recomputed_tokens=list(acc.recomputed_tokens.items()),
-                evicted_blocks=[(*k, n) for k, n in acc.evicted_blocks.items()],
-                block_seconds=list(acc.block_seconds.items()),
-                offloaded_blocks=list(acc.offloaded_blocks.items()),
-                lease_reuse_tokens=[(*k, n) for k, n in acc.lease_reuse_tokens.items()],
-                fair_share_tokens=[(*k, *v) for k, v in acc.fair_share_tokens.items()],
-                retention_block_seconds=[(*k, v) for k, v in kv.retention.totals.items()],
-            ),
-            fair_share=fair,
-            reserved_caps=dict(zip(kv.lease_index, kv.payback.caps, strict=True)),
+        waiting = self.waiting
+        return snapshot.engine_state(
+            self.kvlease, snap, len(self.running), len(waiting), waiting.bucket_sizes()
         )
-
-    def _leases(self, now: float) -> tuple[list[Lease], dict[str, LeaseSummary]]:
-        """The first MAX_LEASES_LISTED leases, and a summary per tenant label of all."""
-        kv = self.kvlease
-        leases: list[Lease] = []
-        summary: dict[str, LeaseSummary] = {}
-        for session in kv.leases.sessions():
-            tenant_id, session_id = session
-            holder = kv.holders.get(session)
-            left = kv.leases.seconds_left(session)
-            in_flight = left == float("inf")
-            tenant = summary.setdefault(kv.label(tenant_id), LeaseSummary())
-            tenant.active += 1
-            full = kv.settings.tiers[holder.tier].lease_seconds if holder and holder.tier else 0.0
-            tenant.seconds_left_max = max(
-                tenant.seconds_left_max, full if in_flight else (left or 0.0)
-            )
-            if len(leases) < MAX_LEASES_LISTED:
-                leases.append(
-                    Lease(
-                        tenant_id=tenant_id,
-                        session_id=session_id,
-                        tier=holder.tier if holder else None,
-                        in_flight=in_flight,
-                        expires_at=None if left is None or in_flight else now + left,
-                        seconds_left=None if in_flight else left,
-                        cached_leased_blocks=holder.leased if holder else 0,
-                    )
-                )
-        return leases, summary
 
 
 def _cost_model(vllm_config: Any, settings: SchedulerSettings) -> CostModel:

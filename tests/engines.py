@@ -85,7 +85,7 @@ def settle(engine: Engine) -> None:
     prefix cache, so tests do not see each other (one test's one-shot sessions would end
     another's reservations)."""
     scheduler = engine.scheduler
-    if hasattr(scheduler, "leases"):
+    if hasattr(scheduler, "kvlease"):
         if not isinstance(scheduler.kvlease.clock, OffsetClock):
             scheduler.kvlease.clock = OffsetClock()
         scheduler.kvlease.clock.offset += 10_000
