@@ -194,28 +194,43 @@ def _message(r: httpx.Response) -> str:
 
 
 def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float) -> Live:
-    occupancy = [
+    """The live picture from one server's `/admin/state` and `/admin/history`."""
+    samples = history.get("samples", [])
+    events = history.get("events", [])
+    reuse, fair = _engine_increments(samples)
+    return _live(
+        pool=state["pool_blocks"],
+        free=state["free_blocks"],
+        running=state.get("running"),
+        waiting=state.get("waiting"),
+        occupancy=_engine_occupancy(samples),
+        tenants=_engine_tenants(state, samples, events, now),
+        events=[_engine_event(e) for e in events],
+        lease_reuse=reuse,
+        fair_share=fair,
+        engines=_engine_ranks(state),
+    )
+
+
+def _engine_occupancy(samples: list[dict[str, Any]]) -> list[tuple]:
+    return [
         (sample["t"], tenant, s, blocks[i])
-        for sample in history.get("samples", [])
+        for sample in samples
         for tenant, blocks in sample["tenants"].items()
         for i, s in enumerate(STATES)
     ]
-    events = [
-        (
-            e["t"],
-            e["kind"],
-            e["tier"] or "unclassified",
-            e["tenant_id"],
-            e["reason"],
-            _event_n(e),
-            e.get("by_tier"),
-            e.get("by_tenant"),
-        )
-        for e in history.get("events", [])
-    ]
-    reuse = []  # increments between consecutive samples of the cumulative totals
-    fair = []
-    samples = history.get("samples", [])
+
+
+def _engine_event(e: dict[str, Any]) -> tuple:
+    tier = e["tier"] or "unclassified"
+    return (e["t"], e["kind"], tier, e["tenant_id"], e["reason"], _event_n(e),
+            e.get("by_tier"), e.get("by_tenant"))  # fmt: skip
+
+
+def _engine_increments(samples: list[dict[str, Any]]) -> tuple[list[tuple], list[tuple]]:
+    """Lease reuse and fair-share rows: increments between consecutive samples of the
+    cumulative totals."""
+    reuse, fair = [], []
     for before, after in itertools.pairwise(samples):
         for tier, (reused, lost) in after.get("lease_reuse", {}).items():
             was = before.get("lease_reuse", {}).get(tier, [0, 0])
@@ -226,9 +241,15 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
             if entitled - was[1] > 0:
                 tenant, tier = key.rsplit("|", 1)
                 fair.append((after["t"], tenant, tier, served - was[0], entitled - was[1]))
+    return reuse, fair
+
+
+def _engine_tenants(
+    state: dict[str, Any], samples: list[dict[str, Any]], events: list[dict[str, Any]], now: float
+) -> list[dict]:
     preempted: Counter[str] = Counter()
     evicted: Counter[str] = Counter()
-    for e in history.get("events", []):
+    for e in events:
         if e["t"] >= now - RECENT_SECONDS:
             if e["kind"] == "preemption":
                 preempted[e["tenant_id"]] += 1
@@ -244,23 +265,23 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
     tiers = state.get("tenant_tiers", {})
     leases = state.get("lease_summary", {})
     names = sorted(set(state["tenants"]) | set(leases) | set(preempted) | set(evicted))
-    rows = []
-    for tenant in names:
-        held = state["tenants"].get(tenant, {})
-        lease = leases.get(tenant, {})
-        rows.append(
-            _tenant_row(
-                tenant,
-                tiers.get(tenant),
-                [held.get(s, 0) for s in STATES],
-                lease.get("active", 0),
-                lease.get("seconds_left_max"),
-                preempted.get(tenant, 0),
-                evicted.get(tenant, 0),
-                retention.get(tenant, [0.0, 0.0]),
-            )
+    return [
+        _tenant_row(
+            tenant,
+            tier=tiers.get(tenant),
+            blocks=[state["tenants"].get(tenant, {}).get(s, 0) for s in STATES],
+            leases=leases.get(tenant, {}).get("active", 0),
+            seconds_left=leases.get(tenant, {}).get("seconds_left_max"),
+            preemptions=preempted.get(tenant, 0),
+            evictions=evicted.get(tenant, 0),
+            retention=retention.get(tenant, [0.0, 0.0]),
         )
-    engines = [
+        for tenant in names
+    ]
+
+
+def _engine_ranks(state: dict[str, Any]) -> list[tuple]:
+    return [
         (
             rank,
             e["pool_blocks"],
@@ -271,16 +292,32 @@ def live_from_engine(state: dict[str, Any], history: dict[str, Any], now: float)
         )
         for rank, e in sorted(state.get("engines", {}).items(), key=lambda kv: int(kv[0]))
     ]
+
+
+def _live(
+    *,
+    pool: int,
+    free: int,
+    running: int | None,
+    waiting: int | None,
+    occupancy: list[tuple],
+    tenants: list[dict],
+    events: list[tuple],
+    lease_reuse: list[tuple],
+    fair_share: list[tuple],
+    engines: list[tuple],
+) -> Live:
+    """The one place a `Live` is built: each source's rows become its frames."""
     return Live(
-        pool_blocks=state["pool_blocks"],
-        free_blocks=state["free_blocks"],
-        running=state.get("running"),
-        waiting=state.get("waiting"),
+        pool_blocks=pool,
+        free_blocks=free,
+        running=running,
+        waiting=waiting,
         occupancy=_frame(occupancy, OCCUPANCY_COLUMNS),
-        tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
+        tenants=pd.DataFrame(tenants, columns=TENANT_COLUMNS),
         events=_frame(events, EVENT_COLUMNS),
-        lease_reuse=_frame(reuse, LEASE_COLUMNS),
-        fair_share=_frame(fair, FAIR_COLUMNS),
+        lease_reuse=_frame(lease_reuse, LEASE_COLUMNS),
+        fair_share=_frame(fair_share, FAIR_COLUMNS),
         engines=pd.DataFrame(engines, columns=ENGINE_COLUMNS),
     )
 
@@ -291,8 +328,18 @@ def _event_n(event: dict[str, Any]) -> int:
 
 
 def _tenant_row(
-    tenant, tier, blocks, leases, seconds_left, preemptions, evictions, retention
+    tenant: str,
+    *,
+    tier: str | None,
+    blocks: list[float],
+    leases: float = 0,
+    seconds_left: float | None = None,
+    preemptions: float = 0,
+    evictions: float = 0,
+    retention: list[float] | None = None,
 ) -> dict:
+    """One row of the tenant table (defaults: a tenant with no activity in the window)."""
+    retention = retention or [0.0, 0.0]
     running, leased, cached = (int(b) for b in blocks)
     return {
         "tenant_id": tenant,
@@ -396,10 +443,33 @@ class PrometheusSource:
 def live_from_prometheus(
     instant: dict[str, list[dict[str, Any]]], ranged: dict[str, list[dict[str, Any]]]
 ) -> Live:
+    """The live picture from Prometheus: QUERIES' instant results and RANGE_QUERIES'."""
+
     def scalar(name: str) -> float | None:
         result = instant.get(name) or []
         return float(result[0]["value"][1]) if result else None
 
+    pool, free = scalar("pool"), scalar("free")
+    running, waiting = scalar("running"), scalar("waiting")
+    return _live(
+        pool=int(pool or 0),
+        free=int(free or 0),
+        running=None if running is None else int(running),
+        waiting=None if waiting is None else int(waiting),
+        occupancy=[
+            (float(ts), series["metric"]["tenant_id"], series["metric"]["state"], float(v))
+            for series in ranged.get("occupancy", [])
+            for ts, v in series["values"]
+        ],
+        tenants=_prometheus_tenants(instant),
+        events=_prometheus_events(ranged) + _alert_starts(ranged.get("alerts", [])),
+        lease_reuse=_prometheus_lease_reuse(ranged),
+        fair_share=_prometheus_fair_share(ranged),
+        engines=_prometheus_engines(instant),
+    )
+
+
+def _prometheus_tenants(instant: dict[str, list[dict[str, Any]]]) -> list[dict]:
     def by_tenant(name: str) -> dict[str, float]:
         return {
             r["metric"].get("tenant_id", ""): float(r["value"][1]) for r in instant.get(name, [])
@@ -414,92 +484,80 @@ def live_from_prometheus(
     retention: dict[str, list[float]] = {}
     for r in instant.get("retention_5m", []):
         slot = m.RETENTION_STATES.index(r["metric"].get("state", "retained"))
-        retention.setdefault(r["metric"].get("tenant_id", ""), [0.0, 0.0])[slot] = float(
-            r["value"][1]
-        )
+        tenant = r["metric"].get("tenant_id", "")
+        retention.setdefault(tenant, [0.0, 0.0])[slot] = float(r["value"][1])
     names = sorted(
         set(held) | {t for t, n in leases.items() if n} | {t for t, n in preempted.items() if n}
     )
-    rows = [
+    return [
         _tenant_row(
             t,
-            tiers.get(t),
-            [held.get(t, {}).get(s, 0) for s in STATES],
-            leases.get(t, 0),
-            left.get(t),
-            preempted.get(t, 0),
-            evicted.get(t, 0),
-            retention.get(t, [0.0, 0.0]),
+            tier=tiers.get(t),
+            blocks=[held.get(t, {}).get(s, 0) for s in STATES],
+            leases=leases.get(t, 0),
+            seconds_left=left.get(t),
+            preemptions=preempted.get(t, 0),
+            evictions=evicted.get(t, 0),
+            retention=retention.get(t, [0.0, 0.0]),
         )
         for t in names
     ]
-    occupancy = [
-        (float(ts), series["metric"]["tenant_id"], series["metric"]["state"], float(v))
-        for series in ranged.get("occupancy", [])
-        for ts, v in series["values"]
-    ]
+
+
+def _prometheus_events(ranged: dict[str, list[dict[str, Any]]]) -> list[tuple]:
+    """Preemptions and evictions per range step, where there were any. Prometheus keeps
+    the causing tier, not the causing tenant (cardinality)."""
 
     def labels(s: dict[str, Any]) -> tuple[str, str]:
         return s["metric"].get("tier", ""), s["metric"].get("tenant_id", "")
 
-    events = [
-        (float(ts), "preemption", *labels(s), s["metric"].get("reason", ""), v,
-         s["metric"].get("by_tier"), None)
-        for s in ranged.get("preemptions", [])
-        for ts, v in s["values"]
-    ] + [
-        (
-            float(ts),
-            "eviction",
-            *labels(s),
-            "leased_cache_eviction" if s["metric"].get("leased") == "true" else "cache_eviction",
-            v,
-            s["metric"].get("by_tier"),
-            None,  # Prometheus keeps the causing tier, not the tenant (cardinality)
-        )
-        for s in ranged.get("evictions", [])
-        for ts, v in s["values"]
-    ]  # fmt: skip
-    events = [(*e[:5], float(e[5]), *e[6:]) for e in events if float(e[5]) > 0] + _alert_starts(
-        ranged.get("alerts", [])
+    def eviction(s: dict[str, Any]) -> str:
+        return "leased_cache_eviction" if s["metric"].get("leased") == "true" else "cache_eviction"
+
+    kinds = (
+        ("preemption", ranged.get("preemptions", []), lambda s: s["metric"].get("reason", "")),
+        ("eviction", ranged.get("evictions", []), eviction),
     )
+    return [
+        (float(ts), kind, *labels(s), reason(s), float(v), s["metric"].get("by_tier"), None)
+        for kind, series, reason in kinds
+        for s in series
+        for ts, v in s["values"]
+        if float(v) > 0
+    ]
+
+
+def _prometheus_lease_reuse(ranged: dict[str, list[dict[str, Any]]]) -> list[tuple]:
     reuse: dict[tuple[float, str], list[float]] = {}
     for s in ranged.get("lease_reuse", []):
         slot = m.LEASE_OUTCOMES.index(s["metric"].get("outcome", "lost"))
         for ts, v in s["values"]:
             reuse.setdefault((float(ts), s["metric"].get("tier", "")), [0.0, 0.0])[slot] = float(v)
-    lease_rows = [(t, tier, r, lost) for (t, tier), (r, lost) in sorted(reuse.items()) if r + lost]
+    return [(t, tier, r, lost) for (t, tier), (r, lost) in sorted(reuse.items()) if r + lost]
+
+
+def _prometheus_fair_share(ranged: dict[str, list[dict[str, Any]]]) -> list[tuple]:
     fair: dict[tuple[float, str, str], list[float]] = {}
     for slot, name in enumerate(("fair_served", "fair_entitled")):
         for s in ranged.get(name, []):
             key = (s["metric"].get("tenant_id", ""), s["metric"].get("tier", ""))
             for ts, v in s["values"]:
                 fair.setdefault((float(ts), *key), [0.0, 0.0])[slot] = float(v)
-    fair_rows = [(*k, served, ent) for k, (served, ent) in sorted(fair.items()) if ent > 0]
-    pool, free = scalar("pool"), scalar("free")
-    running, waiting = scalar("running"), scalar("waiting")
+    return [(*k, served, ent) for k, (served, ent) in sorted(fair.items()) if ent > 0]
+
+
+def _prometheus_engines(instant: dict[str, list[dict[str, Any]]]) -> list[tuple]:
+    """One row per data-parallel rank of every replica (instance/engine)."""
     per_engine: dict[str, dict[str, float]] = {}
     for column in ENGINE_COLUMNS[1:]:
         name = "engine_" + column.removesuffix("_blocks")
         for r in instant.get(name, []):
             key = f"{r['metric'].get('instance', '')}/{r['metric'].get('engine', '0')}"
             per_engine.setdefault(key, {})[column] = float(r["value"][1])
-    engines = [
+    return [
         (key, *(int(v.get(c, 0)) for c in ENGINE_COLUMNS[1:]))
         for key, v in sorted(per_engine.items())
     ]
-    return Live(
-        pool_blocks=int(pool or 0),
-        free_blocks=int(free or 0),
-        running=None if running is None else int(running),
-        waiting=None if waiting is None else int(waiting),
-        occupancy=_frame(occupancy, OCCUPANCY_COLUMNS),
-        tenants=pd.DataFrame(rows, columns=TENANT_COLUMNS),
-        events=_frame(events, EVENT_COLUMNS),
-        lease_reuse=_frame(lease_rows, LEASE_COLUMNS),
-        fair_share=_frame(fair_rows, FAIR_COLUMNS),
-        engines=pd.DataFrame(engines, columns=ENGINE_COLUMNS),
-    )
 
 
 def _alert_starts(series: list[dict[str, Any]]) -> list[tuple]:

@@ -265,8 +265,7 @@ def test_live_from_prometheus_sums_a_fleet_into_the_same_picture():
 
 def _tenants(n: int) -> pd.DataFrame:
     rows = [
-        data._tenant_row(f"tenant-{i:04d}", "free", (i % 7, 0, i % 3), 0, None, 0, 0, (0, 0))
-        for i in range(n)
+        data._tenant_row(f"tenant-{i:04d}", tier="free", blocks=[i % 7, 0, i % 3]) for i in range(n)
     ]
     return pd.DataFrame(rows, columns=data.TENANT_COLUMNS)
 

@@ -12,7 +12,7 @@ from kvlease.dashboard import data, health
 
 def _live(free=20, tenants=None, events=(), reuse=(), waiting=3) -> data.Live:
     rows = [
-        data._tenant_row(t, tier, blocks, 0, None, 0, 0, [0.0, 0.0])
+        data._tenant_row(t, tier=tier, blocks=blocks)
         for t, tier, blocks in tenants or [("acme", "premium", [3, 18, 44])]
     ]
     return data.Live(
