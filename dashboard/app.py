@@ -16,7 +16,7 @@ from kvlease.engine.budgets import BUDGETS_ENV, BudgetTable
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters import metrics as m
 from kvlease.exporters import money, statement
-from kvlease.exporters.billing import GRANULARITIES, parse_window
+from kvlease.exporters.periods import GRANULARITIES, parse_window
 
 DEFAULT_ENGINE = "http://127.0.0.1:8000"
 PAGES = {"live": "Live", "usage": "Usage & billing", "whatif": "What if"}

@@ -1,7 +1,7 @@
 """The usage page's figures, from the ledger's rollups, for finance.
 
 Every figure here is read from the hourly rollups (`kvlease.exporters.rollups`) and priced
-with the export's own `kvlease.exporters.billing.cost`, so a tenant's cost on the page is the
+with the export's own `kvlease.exporters.pricing.cost`, so a tenant's cost on the page is the
 exact sum of its FOCUS rows' costs (shown in the currency's minor unit, as its statement
 total is: `kvlease.exporters.money`), and a month of millions of records is a query over
 thousands of rollups, not a read of every record.
@@ -30,13 +30,10 @@ from kvlease.engine.labels import OTHER as OTHER_TENANT
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters import metrics as m
 from kvlease.exporters import money
-from kvlease.exporters.billing import (
-    MICROS_PER_HOUR,
-    Charges,
-    charge_groups,
-    period,
-)
+from kvlease.exporters.billing import charge_groups
 from kvlease.exporters.exports import export_chunks
+from kvlease.exporters.periods import period
+from kvlease.exporters.pricing import MICROS_PER_HOUR, Charges
 from kvlease.exporters.rollups import DAY, Rollup
 from kvlease.exporters.statement import Statement, statement
 

@@ -436,8 +436,8 @@ def _summary(
     demo: Demo, spec, tiers: TierTable, stats: LoadStats | None, metrics: str, since: float
 ) -> None:
     from kvlease.exporters import money
-    from kvlease.exporters.billing import record_cost
     from kvlease.exporters.ledger import RETENTION, UsageLedger
+    from kvlease.exporters.pricing import record_cost
 
     tier_of = dict(tenant_names(spec))
     preempted = _preemptions(metrics) if metrics else Counter()

@@ -4,9 +4,10 @@ One FOCUS row per (tenant, model, charge period). Costs are exact decimals:
     (input - cached input)/1000 x input price + cached input/1000 x cached price
     + output/1000 x output price + KV block-hours x block-hour price
     + reserved block-hours x reserved price + retained block-hours x retained price,
-priced by the tier each record was served in (the last two are the "KV retention" SKU:
-a leased session's blocks between its turns, from the ledger's retention records; its
-rows appear only where there was retention), and summed from the ledger's rollups
+priced (`kvlease.exporters.pricing`: one `Sku` record per thing sold) by the tier each
+record was served in (the last two are the "KV retention" SKU: a leased session's blocks
+between its turns, from the ledger's retention records; its rows appear only where
+there was retention), and summed from the ledger's rollups
 (`kvlease.exporters.rollups`). Only integers are summed (tokens, KV block-microseconds) and
 each row divides once, so an export is the same byte for byte whether it was summed
 from rollups or from every record. Each row's cost is then written at 10 decimal places
@@ -22,27 +23,23 @@ memory stays flat however many records there are.
 
 from __future__ import annotations
 
-import calendar
 import csv
-import functools
 import hashlib
 import io
 import itertools
 import json
-import math
 import operator
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from datetime import UTC, datetime
-from decimal import ROUND_HALF_EVEN, Context, Decimal, localcontext
 
-from kvlease.engine.tenancy import Prices, TierTable
+from kvlease.engine.tenancy import TierTable
 from kvlease.exporters import money
-from kvlease.exporters.ledger import UsageLedger, UsageRecord, rollup_of
+from kvlease.exporters.ledger import UsageLedger, UsageRecord
+from kvlease.exporters.periods import period, stamp
+from kvlease.exporters.pricing import SKUS, ZERO, Charges, Sku, unit_prices
 from kvlease.exporters.rollups import DAY, HOUR, Rollup
 
-GRANULARITIES = ("hour", "day", "month")
 ACCOUNT_ID_ENV = "KVLEASE_BILLING_ACCOUNT_ID"
 ACCOUNT_NAME_ENV = "KVLEASE_BILLING_ACCOUNT_NAME"
 PROVIDER_ENV = "KVLEASE_PROVIDER_NAME"
@@ -61,8 +58,8 @@ KEY_COLUMNS = (
     "BilledCost",
     "BillingCurrency",
 )
-_FOCUS_1_2 = (
-    "AvailabilityZone",
+# The FOCUS 1.2 columns that apply to an inference provider (NOT_APPLICABLE: the rest).
+_APPLICABLE = (
     "BilledCost",
     "BillingAccountId",
     "BillingAccountName",
@@ -70,27 +67,17 @@ _FOCUS_1_2 = (
     "BillingCurrency",
     "BillingPeriodEnd",
     "BillingPeriodStart",
-    "CapacityReservationId",
-    "CapacityReservationStatus",
     "ChargeCategory",
     "ChargeClass",
     "ChargeDescription",
     "ChargeFrequency",
     "ChargePeriodEnd",
     "ChargePeriodStart",
-    "CommitmentDiscountCategory",
-    "CommitmentDiscountId",
-    "CommitmentDiscountName",
-    "CommitmentDiscountQuantity",
-    "CommitmentDiscountStatus",
-    "CommitmentDiscountType",
-    "CommitmentDiscountUnit",
     "ConsumedQuantity",
     "ConsumedUnit",
     "ContractedCost",
     "ContractedUnitPrice",
     "EffectiveCost",
-    "InvoiceId",
     "InvoiceIssuerName",
     "ListCost",
     "ListUnitPrice",
@@ -99,8 +86,6 @@ _FOCUS_1_2 = (
     "PricingUnit",
     "ProviderName",
     "PublisherName",
-    "RegionId",
-    "RegionName",
     "ResourceId",
     "ResourceName",
     "ResourceType",
@@ -115,6 +100,23 @@ _FOCUS_1_2 = (
     "SubAccountType",
     "Tags",
 )
+# FOCUS columns that do not apply to per-request inference billing: null on every row.
+NOT_APPLICABLE = (
+    "AvailabilityZone",
+    "CapacityReservationId",
+    "CapacityReservationStatus",
+    "CommitmentDiscountCategory",
+    "CommitmentDiscountId",
+    "CommitmentDiscountName",
+    "CommitmentDiscountQuantity",
+    "CommitmentDiscountStatus",
+    "CommitmentDiscountType",
+    "CommitmentDiscountUnit",
+    "InvoiceId",  # kvlease meters; the invoice is issued elsewhere
+    "RegionId",
+    "RegionName",
+)
+_FOCUS_1_2 = tuple(sorted((*_APPLICABLE, *NOT_APPLICABLE)))
 FOCUS_COLUMNS = (
     *KEY_COLUMNS,
     *(c for c in _FOCUS_1_2 if c not in KEY_COLUMNS),
@@ -131,28 +133,6 @@ FOCUS_COLUMNS = (
 )
 RAW_COLUMNS = tuple(f.name for f in fields(UsageRecord))
 FORMULA_STARTS = frozenset("=+-@\t\r")
-THOUSAND = Decimal(1000)
-
-
-@functools.lru_cache(maxsize=4096)  # an export stamps the same few period edges again and again
-def stamp(epoch: float) -> str:
-    """FOCUS timestamps: UTC, `YYYY-MM-DDTHH:MM:SSZ`."""
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def period(epoch: float, granularity: str) -> tuple[float, float]:
-    """[start, end) of the hour, day or month containing `epoch`, as epoch seconds (UTC
-    hours and days are whole multiples of seconds since the epoch: no calendar needed)."""
-    if granularity in ("hour", "day"):
-        length = HOUR if granularity == "hour" else DAY
-        start = math.floor(epoch / length) * length
-        return float(start), float(start + length)
-    t = datetime.fromtimestamp(epoch, UTC)
-    if granularity == "month":
-        start = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-        days = calendar.monthrange(t.year, t.month)[1]
-        return start.timestamp(), start.timestamp() + days * 86400
-    raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 
 @dataclass(frozen=True)
@@ -171,208 +151,6 @@ class Account:
             os.environ.get(ACCOUNT_NAME_ENV, account_id),
             os.environ.get(PROVIDER_ENV, "kvlease"),
         )
-
-
-class UnpricedRecord(ValueError):
-    """A record the export cannot price: the message names it and says why."""
-
-
-@functools.lru_cache(maxsize=256)
-def _stored(basis: str) -> tuple[str, Prices]:
-    return Prices.from_basis(basis)
-
-
-def prices_of(usage: Rollup, tiers: TierTable) -> Prices | None:
-    """The prices usage is billed at: those stored with its records when they were
-    written; for records written before prices were stored, its tier's in `tiers`. None
-    for unclassified traffic (no tier: no price). Raises UnpricedRecord otherwise."""
-    if usage.price_basis is not None:
-        currency, prices = _stored(usage.price_basis)
-        if currency != tiers.currency:
-            raise UnpricedRecord(
-                f"{usage.what} were priced in {currency}; this export is in "
-                f"{tiers.currency} (the tier table's currency)"
-            )
-        return prices
-    if usage.tier is None:
-        return None
-    if usage.tier not in tiers:
-        raise UnpricedRecord(
-            f"{usage.what} have no stored prices and their tier {usage.tier!r} is not in "
-            f"the tier table ({tiers.source}): export with the table they were served with "
-            "(--tiers)"
-        )
-    return tiers[usage.tier].prices
-
-
-# The charges, as FOCUS SKUs: (SkuId, PricingUnit, ConsumedUnit, description). Each is
-# priced per PricingUnit by one of the tier's six prices; KV retention has two prices
-# (reserved, retained), hence two SkuPriceIds of one SkuId.
-SKUS = (
-    ("input-tokens", "1K Tokens", "Tokens", "input tokens (not served from the prefix cache)"),
-    ("cached-input-tokens", "1K Tokens", "Tokens", "input tokens served from the prefix cache"),
-    ("output-tokens", "1K Tokens", "Tokens", "output tokens"),
-    ("kv-block-hours", "Hours", "Block-Hours", "KV-cache block-hours held"),
-    ("kv-retention", "Hours", "Block-Hours", "KV retention between turns, reserved"),
-    ("kv-retention", "Hours", "Block-Hours", "KV retention between turns, retained"),
-)
-SKU_METERS = (
-    "Input Tokens",
-    "Cached Input Tokens",
-    "Output Tokens",
-    "KV Cache Block-Hours",
-    "KV Retention Block-Hours",
-    "KV Retention Block-Hours",
-)
-PRICE_STATES = ("", "", "", "", "reserved", "retained")  # tells the retention prices apart
-ALWAYS = 4  # the request SKUs' rows are always written; retention rows where it is not 0
-# FOCUS columns that do not apply to per-request inference billing: null on every row.
-NOT_APPLICABLE = (
-    "AvailabilityZone",
-    "CapacityReservationId",
-    "CapacityReservationStatus",
-    "CommitmentDiscountCategory",
-    "CommitmentDiscountId",
-    "CommitmentDiscountName",
-    "CommitmentDiscountQuantity",
-    "CommitmentDiscountStatus",
-    "CommitmentDiscountType",
-    "CommitmentDiscountUnit",
-    "InvoiceId",  # kvlease meters; the invoice is issued elsewhere
-    "RegionId",
-    "RegionName",
-)
-ZERO = Decimal(0)
-
-
-MICROS_PER_HOUR = Decimal(3_600_000_000)
-# Wide enough that no product or sum of the bounded quantities and prices rounds: 2^63
-# tokens (19 digits) times a price of 7 + 24 digits, summed.
-EXACT = Context(prec=80)
-
-
-@functools.lru_cache(maxsize=256)
-def per_block_us(block_hour: Decimal) -> Decimal:
-    """The block-hour price per block-microsecond, rounded once (half even, 30 places):
-    the only rounding in a KV bill. Its error is below 5e-31 a microsecond, 1.8e-21 a
-    block-hour."""
-    with localcontext(EXACT):
-        return (block_hour / MICROS_PER_HOUR).quantize(Decimal("1e-30"), ROUND_HALF_EVEN)
-
-
-def unit_prices(usage: Rollup, tiers: TierTable) -> tuple[Decimal, ...]:
-    """The six prices of `SKUS` for `usage` (zero for unclassified traffic: no price)."""
-    p = prices_of(usage, tiers)
-    if p is None:
-        return (ZERO,) * len(SKUS)
-    assert p.reserved_block_hour is not None
-    return (
-        p.input_per_1k,
-        p.cached_input_per_1k,
-        p.output_per_1k,
-        p.block_hour,
-        p.reserved_block_hour,
-        p.retained_block_hour,
-    )
-
-
-class Charges:
-    """The usage of one (tenant, model, charge period, tier, unit prices): four FOCUS rows,
-    six with KV retention.
-
-    Invariant: only integers are summed (tokens, KV block microseconds); every decimal is
-    derived from the sums, once. So the rows, and the cost, are the same however the
-    records were bucketed on the way (one by one, hourly rollups, daily sums). O(1) a
-    rollup."""
-
-    __slots__ = (
-        "block_us",
-        "cached",
-        "input",
-        "lease_covered",
-        "lease_reused",
-        "output",
-        "preemptions",
-        "prices",
-        "recomputed",
-        "requests",
-        "reserved_us",
-        "retained_us",
-    )
-
-    def __init__(self, prices: tuple[Decimal, ...]) -> None:
-        self.prices = prices
-        self.input = self.cached = self.output = self.recomputed = 0
-        self.lease_covered = self.lease_reused = 0
-        self.preemptions = self.requests = self.block_us = 0
-        self.reserved_us = self.retained_us = 0
-
-    def add(self, r: Rollup) -> Charges:
-        self.input += r.input_tokens
-        self.cached += r.cached_input_tokens
-        self.output += r.output_tokens
-        self.recomputed += r.recomputed_tokens
-        self.lease_covered += r.lease_covered_tokens
-        self.lease_reused += r.lease_reused_tokens
-        self.block_us += r.kv_block_us
-        self.reserved_us += r.kv_reserved_us
-        self.retained_us += r.kv_retained_us
-        self.preemptions += r.preemptions
-        self.requests += r.requests
-        return self
-
-    def units(self) -> tuple[int, ...]:
-        """Per SKU, what it counts, whole: tokens, or block-microseconds for the KV SKUs."""
-        return (
-            self.input - self.cached,
-            self.cached,
-            self.output,
-            self.block_us,
-            self.reserved_us,
-            self.retained_us,
-        )
-
-    @property
-    def block_hours(self) -> Decimal:
-        return Decimal(self.block_us) / MICROS_PER_HOUR
-
-    def quantities(self) -> tuple[tuple[Decimal, Decimal], ...]:
-        """Per SKU: (consumed quantity, pricing quantity)."""
-        uncached = Decimal(self.input - self.cached)
-        cached, output, hours = Decimal(self.cached), Decimal(self.output), self.block_hours
-        return (
-            (uncached, uncached / THOUSAND),
-            (cached, cached / THOUSAND),
-            (output, output / THOUSAND),
-            (hours, hours),
-            *((h, h) for h in (Decimal(us) / MICROS_PER_HOUR for us in self._retention_us)),
-        )
-
-    @property
-    def _retention_us(self) -> tuple[int, int]:
-        return (self.reserved_us, self.retained_us)
-
-    def costs(self) -> tuple[Decimal, ...]:
-        """Per SKU, its BilledCost, exact and additive: a sum of tokens times a price per
-        1k, and whole block-microseconds times the block-hour price per microsecond
-        (rounded once, to 30 places, `per_block_us`). So the cost of summed usage is the
-        sum of the costs, to the last digit, at every granularity."""
-        uncached, cached, output, block_price, reserved, retained = self.prices
-        with localcontext(EXACT):
-            return (
-                Decimal(self.input - self.cached) * uncached / THOUSAND,
-                Decimal(self.cached) * cached / THOUSAND,
-                Decimal(self.output) * output / THOUSAND,
-                Decimal(self.block_us) * per_block_us(block_price),
-                Decimal(self.reserved_us) * per_block_us(reserved),
-                Decimal(self.retained_us) * per_block_us(retained),
-            )
-
-    @property
-    def cost(self) -> Decimal:
-        """The sum of the rows' BilledCost, exactly."""
-        with localcontext(EXACT):
-            return sum(self.costs(), ZERO)
 
 
 @dataclass(frozen=True)
@@ -420,15 +198,6 @@ def _emit(key, groups: dict, window) -> Iterator[ChargeGroup]:
         start, end = max(start, window[0]), min(end, window[1])
     for (tier, _), charges in sorted(groups.items()):
         yield ChargeGroup(tenant, model, start, end, tier, charges)
-
-
-def cost(usage: Rollup, tiers: TierTable) -> Decimal:
-    """What `usage` alone is billed."""
-    return Charges(unit_prices(usage, tiers)).add(usage).cost
-
-
-def record_cost(record: UsageRecord, tiers: TierTable) -> Decimal:
-    return cost(rollup_of(record), tiers)
 
 
 def focus_rows(
@@ -525,38 +294,40 @@ class _Context:
         ):
             shared[_COLUMN[name]] = value
         row_key = "\x1f".join((group.tenant_id, model, self.granularity, start, end))
-        rows = zip(g.quantities(), g.costs(), strict=True)  # each computed once a group
-        for i, ((consumed, pricing), cost) in enumerate(rows):
-            if i >= ALWAYS and not consumed:
+        rows = zip(SKUS, g.prices, g.quantities(), g.costs(), strict=True)  # once a group
+        for i, (sku, price, (consumed, pricing), cost) in enumerate(rows):
+            if not sku.always and not consumed:
                 continue
-            yield self._row(shared, row_key, model, tier, g, i, consumed, pricing, cost)
+            yield self._row(shared, row_key, model, tier, g, i == 0, sku, price, consumed,
+                            pricing, cost)  # fmt: skip
 
     def _row(
-        self, shared, row_key, model, tier, g: Charges, i, consumed, pricing, billed
-    ) -> list[str]:
-        sku, pricing_unit, consumed_unit, what = SKUS[i]
-        price = g.prices[i]
+        self, shared, row_key, model, tier, g: Charges, primary, sku: Sku, price, consumed,
+        pricing, billed,
+    ) -> list[str]:  # fmt: skip
+        """One SKU's row; request-level figures ride on the group's first (`primary`)."""
         cost = money.focus_amount(billed)
         unit_price = money.plain(price)
-        counted = consumed_unit == "Tokens"  # tokens are whole; hours are not
-        primary = i == 0  # request-level figures ride on the input row; 0 elsewhere
-        state = f":{PRICE_STATES[i]}" if PRICE_STATES[i] else ""
-        sku_price = f"{sku}{state}:{tier}:{unit_price}:{self.currency}"
+        state = f":{sku.state}" if sku.state else ""
+        sku_price = f"{sku.id}{state}:{tier}:{unit_price}:{self.currency}"
         row = list(shared)
         for name, value in (
             ("BilledCost", cost),
-            ("ChargeDescription", self.guard(f"{what} on {model}, {tier} tier")),
-            ("ConsumedQuantity", str(int(consumed)) if counted else money.focus_amount(consumed)),
-            ("ConsumedUnit", consumed_unit),
+            ("ChargeDescription", self.guard(f"{sku.description} on {model}, {tier} tier")),
+            (
+                "ConsumedQuantity",
+                str(int(consumed)) if sku.tokens else money.focus_amount(consumed),
+            ),
+            ("ConsumedUnit", sku.consumed_unit),
             ("ContractedCost", cost),
             ("ContractedUnitPrice", unit_price),
             ("EffectiveCost", cost),
             ("ListCost", cost),
             ("ListUnitPrice", unit_price),
             ("PricingQuantity", money.focus_amount(pricing)),
-            ("PricingUnit", pricing_unit),
-            ("SkuId", f"kvlease-{sku}"),
-            ("SkuMeter", SKU_METERS[i]),
+            ("PricingUnit", sku.pricing_unit),
+            ("SkuId", f"kvlease-{sku.id}"),
+            ("SkuMeter", sku.meter),
             ("SkuPriceId", self.guard(sku_price)),
             ("x_RowKey", hashlib.sha256(f"{row_key}\x1f{sku_price}".encode()).hexdigest()[:32]),
             ("x_Requests", str(g.requests if primary else 0)),
@@ -632,31 +403,3 @@ def usage(
     """The ledger's usage in `window`, in the buckets `granularity` needs (months are
     summed from days here: months are not whole multiples of anything in SQL)."""
     return ledger.rollups(*window, tenants, HOUR if granularity == "hour" else DAY)
-
-
-def parse_time(value: str) -> float:
-    """Epoch seconds of a UTC date or an ISO time (a time without a zone is UTC)."""
-    try:
-        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"not a date or ISO time: {value!r} (try 2026-11-01)") from None
-    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
-
-
-def month_window(month: str) -> tuple[float, float]:
-    """[first, next first) of a calendar month given as `YYYY-MM`, as epoch seconds."""
-    try:
-        first = datetime.strptime(month, "%Y-%m").replace(tzinfo=UTC)
-    except ValueError:
-        raise ValueError(f"a month is YYYY-MM, got {month!r} (try 2026-11)") from None
-    return period(first.timestamp(), "month")
-
-
-def parse_window(start: str | None, end: str | None) -> tuple[float, float]:
-    """[start, end) as epoch seconds from UTC dates or ISO times; default: this month."""
-    this_month = period(datetime.now(UTC).timestamp(), "month")
-    lo = parse_time(start) if start else this_month[0]
-    hi = parse_time(end) if end else this_month[1]
-    if hi <= lo:
-        raise ValueError("--to must be after --from")
-    return lo, hi

@@ -1,6 +1,6 @@
 """How kvlease rounds money: one rule, in one place.
 
-1. Inside, a cost is exact (`kvlease.exporters.billing.Charges`): integers summed, divided once.
+1. Inside, a cost is exact (`kvlease.exporters.pricing.Charges`): integers summed, divided once.
 2. A FOCUS file writes every cost at `FOCUS_PLACES` (10) decimal places, half even, as
    the large clouds' usage files do: 15 significant digits fit a spreadsheet cell up to
    99,999 a row. Unit prices are written as the tier table states them; token

@@ -7,7 +7,7 @@ request ended: by then the request's record is in the ledger (the middleware ans
 its last byte only once the record has committed), so the spend includes it. A thread
 refreshes every `refresh_seconds` of the budget file: one rollups query restricted to the budgeted
 tenants (through the rollups' (tenant, hour) index, so it reads only their rows),
-priced with the export's own `billing.cost`. With a shared PostgreSQL ledger the spend
+priced with the export's own `pricing.cost`. With a shared PostgreSQL ledger the spend
 is the fleet's. The budget file is re-read when it changes; a file that no longer loads
 keeps the last good table, with an error in the log.
 """
@@ -24,8 +24,9 @@ from decimal import Decimal
 
 from kvlease.engine.budgets import BudgetConfigError, BudgetTable, Verdict
 from kvlease.engine.tenancy import TierTable
-from kvlease.exporters.billing import cost, period
 from kvlease.exporters.ledger import UsageLedger, one_line
+from kvlease.exporters.periods import period
+from kvlease.exporters.pricing import cost
 from kvlease.exporters.rollups import DAY
 
 logger = logging.getLogger("kvlease.budgets")

@@ -25,14 +25,9 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from kvlease.exporters import money
-from kvlease.exporters.billing import (
-    MICROS_PER_HOUR,
-    SKUS,
-    Account,
-    charge_groups,
-    csv_chunks,
-    stamp,
-)
+from kvlease.exporters.billing import Account, charge_groups, csv_chunks
+from kvlease.exporters.periods import stamp
+from kvlease.exporters.pricing import MICROS_PER_HOUR, SKUS
 from kvlease.exporters.rollups import Rollup
 
 # How each SKU's quantity reads on a statement: (unit, divisor of its whole units, places).
@@ -74,12 +69,12 @@ CSV_COLUMNS = (
 class Line:
     """One priced item: what it is, how much, at what price; `exact` is its exact cost."""
 
-    sku: str  # a SkuId of billing.SKUS, without the kvlease- prefix
+    sku: str  # a SkuId of pricing.SKUS, without the kvlease- prefix
     item: str
     model: str
     tier: str
     units: int  # tokens, or block-microseconds
-    pricing_unit: str  # a PricingUnit of billing.SKUS
+    pricing_unit: str  # a PricingUnit of pricing.SKUS
     unit_price: Decimal
     exact: Decimal
 
@@ -164,7 +159,16 @@ def statement(
                 acc[0] += units
                 acc[1] += exact
     lines = tuple(
-        Line(SKUS[i][0], _sentence(SKUS[i][3]), model, tier, units, SKUS[i][1], price, exact)
+        Line(
+            sku=SKUS[i].id,
+            item=_sentence(SKUS[i].description),
+            model=model,
+            tier=tier,
+            units=units,
+            pricing_unit=SKUS[i].pricing_unit,
+            unit_price=price,
+            exact=exact,
+        )
         for (model, tier, i, price), (units, exact) in sorted(sums.items())
     )
     return Statement(

@@ -41,6 +41,7 @@ from grafana_foundation_sdk.models.dashboard import (
 from kvlease.engine.settings import KEYS
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters import metrics as m
+from kvlease.exporters.pricing import SKUS, Sku
 from kvlease.exporters.writer import DEAD_LETTER_FILE, WAIT_ENV
 
 HERE = Path(__file__).resolve().parent
@@ -344,34 +345,30 @@ def _cost_expr(tiers: TierTable) -> str:
     """Estimated cost by tenant over the dashboard's range, priced by the tenant's tier:
     (input - cached)/1k x input + cached/1k x cached + output/1k x output + block-hours x
     block-hour + KV retention block-hours x their reserved and retained prices, as the
-    billing export computes it. The block-seconds counter includes the retention (leased
-    blocks between turns), so the retention terms price it at the difference. Prometheus
-    extrapolates counters at the range's edges, so this estimates; the ledger is exact."""
+    billing export computes it, one term per `pricing.SKUS` entry (its `series`). The
+    input counter includes the cached tokens and the block-seconds counter the retention
+    (leased blocks between turns), so those terms price them at the difference
+    (`also_priced_as`). Prometheus extrapolates counters at the range's edges, so this
+    estimates; the ledger is exact."""
 
-    def increase(kind: str) -> str:
-        return f'increase({m.TOKENS.name}{{{TENANT}, kind="{kind}"}}[$__range])'
+    def increase(sku: Sku) -> str:
+        family, matcher = sku.series
+        labels = f"{TENANT}, {matcher}" if matcher else TENANT
+        return f"increase({family}{{{labels}}}[$__range])"
 
     branches = []
     for tier in tiers:
         p = tiers[tier].prices
         terms = [
-            (increase("input"), p.input_per_1k / 1000),
-            (increase("cached_input"), (p.cached_input_per_1k - p.input_per_1k) / 1000),
-            (increase("output"), p.output_per_1k / 1000),
             (
-                f"increase({m.BLOCK_SECONDS.name}{{{TENANT}}}[$__range])",
-                p.block_hour / 3600,
-            ),
-            *(
+                increase(sku),
                 (
-                    f'increase({m.RETENTION_BLOCK_SECONDS.name}{{{TENANT}, state="{state}"}}'
-                    "[$__range])",
-                    (price - p.block_hour) / 3600,
+                    getattr(p, sku.price)
+                    - (getattr(p, sku.also_priced_as) if sku.also_priced_as else 0)
                 )
-                for state, price in zip(
-                    m.RETENTION_STATES, (p.reserved_block_hour, p.retained_block_hour), strict=True
-                )
-            ),
+                / (1000 if sku.tokens else 3600),  # per token, or per block-second
+            )
+            for sku in SKUS
         ]
         priced = " or ".join(f"{e} * {_num(price)}" for e, price in terms if price)
         if not priced:

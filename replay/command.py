@@ -62,7 +62,7 @@ def plan(args: argparse.Namespace) -> Plan:
     if args.trace:
         turns = traffic.from_trace(Path(args.trace))
     else:
-        from kvlease.exporters.billing import parse_window
+        from kvlease.exporters.periods import parse_window
 
         window = parse_window(args.start, args.end)
         turns, unclassified = traffic.from_ledger(args.usage_db, window)

@@ -3,7 +3,7 @@
 `summarize` turns a `kvlease.replay.simulate.Replay` into the JSON-ready figures that
 `kvlease replay --json` writes (the README's "What-if replay" has the schema);
 `movers` ranks the tenants whose TTFT p99 or cost moves most. Costs are billed
-as `kvlease usage export` bills them (kvlease.exporters.billing.cost) at the prices of
+as `kvlease usage export` bills them (kvlease.exporters.pricing.cost) at the prices of
 the table each side ran under.
 """
 
@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from kvlease.engine.tenancy import TierTable
-from kvlease.exporters.billing import cost as billed
+from kvlease.exporters.pricing import cost as billed
 from kvlease.exporters.rollups import Rollup, block_us
 
 if TYPE_CHECKING:  # the report reads a replay; it needs no engine to do so

@@ -111,6 +111,6 @@ def check_tiers(turns: list[Turn], tiers: TierTable, which: str) -> None:
 
 
 def _day(epoch: float) -> str:
-    from kvlease.exporters.billing import stamp
+    from kvlease.exporters.periods import stamp
 
     return stamp(epoch)

@@ -21,9 +21,11 @@ from starlette.concurrency import run_in_threadpool
 
 from kvlease.engine.auth import AuthError, require_role
 from kvlease.engine.tenancy import TierTable
-from kvlease.exporters.billing import UnpricedRecord, focus_rows, parse_window, usage
+from kvlease.exporters.billing import focus_rows, usage
 from kvlease.exporters.exports import export_chunks
 from kvlease.exporters.ledger import LedgerError, one_line
+from kvlease.exporters.periods import parse_window
+from kvlease.exporters.pricing import UnpricedRecord
 from kvlease.exporters.telemetry import TELEMETRY
 from kvlease.server.middleware import STATE_KEY, error_payload
 

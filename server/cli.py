@@ -249,7 +249,7 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def _stamp(epoch: float) -> str:
-    from kvlease.exporters.billing import stamp
+    from kvlease.exporters.periods import stamp
 
     return stamp(epoch)
 
@@ -272,9 +272,9 @@ def _usage(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    from kvlease.exporters.billing import month_window, parse_window
     from kvlease.exporters.exports import export_chunks
     from kvlease.exporters.ledger import UsageLedger
+    from kvlease.exporters.periods import month_window, parse_window
 
     tiers = TierTable.load(args.tiers)
     if args.month and args.end:
@@ -343,8 +343,8 @@ def _usage_import(args: argparse.Namespace) -> int:
 
 
 def _usage_prune(args: argparse.Namespace) -> int:
-    from kvlease.exporters.billing import parse_time
     from kvlease.exporters.ledger import UsageLedger
+    from kvlease.exporters.periods import parse_time
 
     before = parse_time(args.before)
     deleted = UsageLedger(args.usage_db, create=False).prune(before)

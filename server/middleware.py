@@ -51,10 +51,10 @@ from kvlease.engine.auth import (
 from kvlease.engine.budgets import Verdict, estimate
 from kvlease.engine.labels import TenantLabels
 from kvlease.engine.tenancy import TenantContext, TierTable
-from kvlease.exporters.billing import period
 from kvlease.exporters.join import InFlight, new_request_id
 from kvlease.exporters.ledger import records
 from kvlease.exporters.metrics import multiprocess
+from kvlease.exporters.periods import period
 from kvlease.exporters.spend import Hold
 from kvlease.exporters.telemetry import TELEMETRY
 from kvlease.exporters.writer import wait_seconds

@@ -10,8 +10,8 @@ import pytest
 from records import NOV, rec
 
 from kvlease.engine.budgets import BudgetConfigError, BudgetTable, estimate
-from kvlease.exporters.billing import record_cost
 from kvlease.exporters.ledger import UsageLedger
+from kvlease.exporters.pricing import record_cost
 from kvlease.exporters.spend import SpendTracker
 
 GOOD = """

@@ -237,7 +237,7 @@ def test_reconciliation_reads_the_real_prometheus_for_the_ledgers_window(
     """The counters Prometheus scraped and the ledger, for this month: per tenant label,
     the difference is what the view shows (increase() extrapolates; it is not zero)."""
     from kvlease.dashboard import usage
-    from kvlease.exporters.billing import parse_window
+    from kvlease.exporters.periods import parse_window
 
     traffic.halt()
     lo, hi = parse_window(None, None)

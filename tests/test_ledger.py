@@ -10,18 +10,11 @@ from decimal import Decimal, localcontext
 import pytest
 from records import NOV, rec, retention
 
-from kvlease.exporters.billing import (
-    EXACT,
-    FOCUS_COLUMNS,
-    charge_groups,
-    csv_chunks,
-    focus_rows,
-    per_block_us,
-    period,
-    record_cost,
-)
+from kvlease.exporters.billing import FOCUS_COLUMNS, charge_groups, csv_chunks, focus_rows
 from kvlease.exporters.exports import export_chunks
 from kvlease.exporters.ledger import MIGRATIONS, SCHEMA_VERSION, OpenRecord, UsageLedger, rollup_of
+from kvlease.exporters.periods import period
+from kvlease.exporters.pricing import EXACT, per_block_us, record_cost
 from kvlease.server.cli import main
 
 
@@ -373,7 +366,7 @@ def test_an_export_that_cannot_price_a_record_says_so_and_exits_2(tmp_path, caps
 
 
 def test_a_record_priced_in_another_currency_is_refused():
-    from kvlease.exporters.billing import UnpricedRecord
+    from kvlease.exporters.pricing import UnpricedRecord
     from kvlease.exporters.writer import to_record
 
     euro = to_record(_finished_premium_request(), _table("1", currency="EUR"))

@@ -120,8 +120,8 @@ def test_a_burst_cannot_spend_past_a_block_budget(server, usage_db):
     from concurrent.futures import ThreadPoolExecutor
 
     from kvlease.engine.tenancy import TierTable
-    from kvlease.exporters.billing import record_cost
     from kvlease.exporters.ledger import UsageLedger
+    from kvlease.exporters.pricing import record_cost
 
     headers = server.headers("burst", "premium")
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "ignore_eos": True}
