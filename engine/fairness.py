@@ -70,7 +70,7 @@ class FairShare:
     floor: float = 0.0
     _heap: list[tuple[float, int, Account]] = field(default_factory=list)
     _idle: list[tuple[float, int, Account]] = field(default_factory=list)
-    _seq: itertools.count = field(default_factory=itertools.count)
+    _seq: itertools.count[int] = field(default_factory=itertools.count)
 
     def account(self, tenant: str, weight: float, request_id: str) -> Account:
         """The account of `request_id`'s tenant, opened if new (at the floor: a newcomer

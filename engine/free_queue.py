@@ -74,7 +74,7 @@ class Holder:
     reserved_until: float = math.inf  # when its reservation window closes (the scheduler's)
     in_flight: int = 0  # requests of this session in the engine
     deferred: int = 0  # its block frees vLLM has put off (connectors, in-flight steps)
-    last_hashes: list | None = None  # block hashes of its latest finished request's context
+    last_hashes: list[Any] | None = None  # block hashes of its latest finished request's context
     cached: int = 0  # blocks in CACHED
     leased: int = 0  # blocks in a RETAINED or RESERVED segment
     reserved: int = 0  # of those, blocks in a RESERVED segment
@@ -151,7 +151,7 @@ class TenantFreeBlockQueue:
     @classmethod
     def replacing(
         cls, queue: Any, num_blocks: int, leased_caps: Sequence[int] = (), retains: bool = True
-    ):
+    ) -> TenantFreeBlockQueue:
         """A tenant queue holding `queue`'s free blocks in the same order."""
         return cls(queue.get_all_free_blocks(), num_blocks, leased_caps, retains)
 
@@ -220,10 +220,12 @@ class TenantFreeBlockQueue:
             cap = self._cap[self._first_reserved + index]
             cls = eviction_class(True, owner.protected, owner.reserving and cap > 0)
         if cls is EvictionClass.RESERVED:
+            assert index is not None  # only a leasing tier's blocks are reserved or retained
             seg = self._first_reserved + index
             if self._count[seg] >= self._cap[seg]:
                 self._demote_oldest(seg)
         elif cls is EvictionClass.RETAINED:
+            assert index is not None
             seg = self._retained(index)
         else:
             seg = CACHED

@@ -65,7 +65,7 @@ def protection_rank(classified: bool, leased: bool, tier_priority: int) -> tuple
     return (0, 0 if leased else 1, tier_priority)
 
 
-def keep_key(c: Candidate, rule: VictimRule) -> tuple:
+def keep_key(c: Candidate, rule: VictimRule) -> tuple[object, ...]:
     """Sort key, ascending = keep first; the last element is the first victim.
 
     Total: `seq` is unique, so no two candidates compare equal. Unclassified
@@ -93,7 +93,7 @@ def victim_order(candidates: Iterable[Candidate], rule: VictimRule) -> list[Cand
     return sorted(candidates, key=lambda c: keep_key(c, rule), reverse=True)
 
 
-def service_key(rank: tuple[int, int, int], admitted: int) -> tuple:
+def service_key(rank: tuple[int, int, int], admitted: int) -> tuple[tuple[int, int, int], int]:
     """A request's place in `running`, which vLLM serves front to back and whose last
     element its FCFS preemption takes: class, then admission order (FCFS within a
     class, as vLLM appends). Fixed from admission to preemption or finish."""
