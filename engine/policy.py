@@ -58,7 +58,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def protection_rank(classified: bool, leased: bool, tier_priority: int) -> tuple[int, int, int]:
+def victim_class(classified: bool, leased: bool, tier_priority: int) -> tuple[int, int, int]:
     """Coarse class of a request: smaller is more protected. Stable while it runs."""
     if not classified:
         return (1, 1, UNCLASSIFIED_PRIORITY)
@@ -76,7 +76,7 @@ def keep_key(c: Candidate, rule: VictimRule) -> tuple[object, ...]:
         if c.classified
         else (0.0, 0.0)
     )
-    return (*protection_rank(c.classified, c.leased, c.tier_priority), within, c.seq)
+    return (*victim_class(c.classified, c.leased, c.tier_priority), within, c.seq)
 
 
 def within_class_key(
@@ -101,13 +101,13 @@ def service_key(rank: tuple[int, int, int], admitted: int) -> tuple[tuple[int, i
 
 
 def admission_victims(
-    head_rank: tuple[int, int, int],
+    head_class: tuple[int, int, int],
     need: int,
     free: int,
     candidates: Sequence[tuple[Candidate, int]],
     rule: VictimRule,
 ) -> list[int]:
-    """Which running requests to preempt so a waiting request of class `head_rank` fits.
+    """Which running requests to preempt so a waiting request of class `head_class` fits.
 
     `need` blocks are wanted (after its prefix-cache hit) and `free` are free to it;
     each candidate comes with the blocks its preemption would return. Only requests of
@@ -115,7 +115,7 @@ def admission_victims(
     as many as close the gap. Returns their indices, or [] when even all of them would
     not admit it: then nobody is preempted for nothing.
     """
-    lower = [i for i, (c, _) in enumerate(candidates) if _rank(c) > head_rank]
+    lower = [i for i, (c, _) in enumerate(candidates) if _class_of(c) > head_class]
     lower.sort(key=lambda i: keep_key(candidates[i][0], rule), reverse=True)
     chosen: list[int] = []
     for i in lower:
@@ -126,8 +126,8 @@ def admission_victims(
     return chosen if free >= need else []
 
 
-def _rank(c: Candidate) -> tuple[int, int, int]:
-    return protection_rank(c.classified, c.leased, c.tier_priority)
+def _class_of(c: Candidate) -> tuple[int, int, int]:
+    return victim_class(c.classified, c.leased, c.tier_priority)
 
 
 # --- leases as bounded reservations -------------------------------------------

@@ -78,8 +78,8 @@ from kvlease.engine.policy import (  # noqa: E402
     leases_yield,
     may_take,
     preemption_mode,
-    protection_rank,
     service_key,
+    victim_class,
     within_class_key,
 )
 from kvlease.engine.reservations import ReturnModel  # noqa: E402
@@ -167,7 +167,7 @@ class Tenancy:
     tenant_id: str | None
     tier: str | None
     session_id: str | None
-    rank: tuple[int, int, int]  # kvlease.engine.policy.protection_rank
+    victim_class: tuple[int, int, int]  # kvlease.engine.policy.victim_class
     bucket: int  # its waiting-queue bucket: tier order, unclassified last
     holder: Holder | None
     reserve_from: int  # leasing tiers whose reservations it may take (free queue `reserve`)
@@ -187,8 +187,8 @@ class Tenancy:
     def candidate(self, request: Request, counter: float) -> Candidate:
         return Candidate(
             classified=self.tenant_id is not None,
-            leased=self.rank[1] == 0,
-            tier_priority=self.rank[2],
+            leased=self.victim_class[1] == 0,
+            tier_priority=self.victim_class[2],
             last_activity=request.arrival_time,
             computed_tokens=request.num_computed_tokens,
             seq=self.key[1],
@@ -364,15 +364,15 @@ class TenantSchedulingMixin:
         pool.free_block_queue = queue
         return queue
 
-    def _make_bucket(self, rank: int) -> Any:
-        """Rank `rank`'s waiting queue: per tenant by fair share for a tier (unless
+    def _make_bucket(self, bucket: int) -> Any:
+        """Bucket `bucket`'s waiting queue: per tenant by fair share for a tier (unless
         `fair_share` is off), vLLM's own queue for unclassified requests."""
         kv = self.kvlease
         tiers = list(kv.settings.tiers)
         vllm_queue = lambda: create_request_queue(self.policy)  # noqa: E731
-        if rank >= len(tiers) or not kv.settings.fair_share:
+        if bucket >= len(tiers) or not kv.settings.fair_share:
             return vllm_queue()
-        tier = tiers[rank]
+        tier = tiers[bucket]
         skip = self._at_kv_cap if tier in kv.kv_caps else None
         return FairBucket(kv.shares[tier], self._account_of, vllm_queue, skip)
 
@@ -411,10 +411,10 @@ class TenantSchedulingMixin:
         if type(self.running) is not _RunningList:
             self.running = _RunningList(self._admitted, self._service_key, self.running)
 
-    def _service_rank(self, rank: tuple[int, int, int]) -> tuple[int, int, int]:
+    def _service_class(self, klass: tuple[int, int, int]) -> tuple[int, int, int]:
         """The class `running` is served in: the request's own, or one for every request
         with class-ordered service off (an ablation: vLLM's first come, first served)."""
-        return rank if self.kvlease.settings.class_service else _ONE_CLASS
+        return klass if self.kvlease.settings.class_service else _ONE_CLASS
 
     def _service_key(self, request: Request) -> tuple:
         t = self.kvlease.tenancy.get(request.request_id) or self._tenancy_of(request)
@@ -424,7 +424,7 @@ class TenantSchedulingMixin:
         """vLLM admits `request` into `running`: give it its place (behind its class)."""
         t = self._tenancy_of(request)
         self._restore_offloaded(t)
-        t.key = service_key(self._service_rank(t.rank), next(self.kvlease.admissions))
+        t.key = service_key(self._service_class(t.victim_class), next(self.kvlease.admissions))
         if t.account is not None:  # the prompt (or what a preemption lost) is charged now,
             # so the next admission in this step already sees it (VTC charges at dispatch)
             t.account.charge(INPUT_COST * (request.num_tokens - request.num_computed_tokens))
@@ -471,13 +471,13 @@ class TenantSchedulingMixin:
                     request.request_id,
                     {k: args.get(k) for k in ("tenant_id", "tier", "session_id")},
                 )
-            rank = protection_rank(False, False, 0)
-            key = service_key(self._service_rank(rank), next(kv.admissions))
+            klass = victim_class(False, False, 0)
+            key = service_key(self._service_class(klass), next(kv.admissions))
             return Tenancy(
                 tenant_id=None,
                 tier=None,
                 session_id=None,
-                rank=rank,
+                victim_class=klass,
                 bucket=len(tiers),
                 holder=None,
                 reserve_from=0,
@@ -486,16 +486,16 @@ class TenantSchedulingMixin:
         session_id = session_id if isinstance(session_id, str) else None
         tier = tiers[tier_name]
         kv.tenant_tiers[kv.label(tenant_id)] = tier.name
-        rank = protection_rank(True, tier.lease_seconds > 0, tier.priority)
+        klass = victim_class(True, tier.lease_seconds > 0, tier.priority)
         tenancy = Tenancy(
             tenant_id=tenant_id,
             tier=tier.name,
             session_id=session_id,
-            rank=rank,
+            victim_class=klass,
             bucket=kv.bucket[tier.name],
             holder=None,
             reserve_from=kv.reserve_from[tier.name],
-            key=service_key(self._service_rank(rank), next(kv.admissions)),
+            key=service_key(self._service_class(klass), next(kv.admissions)),
         )
         holder = kv.holders.get(tenancy.session)
         if holder is None:
@@ -765,7 +765,7 @@ class TenantSchedulingMixin:
                     rule, candidate.num_computed_tokens, candidate.arrival_time, self._counter(t)
                 )
                 if by_class:
-                    key = (t.rank, key)
+                    key = (t.victim_class, key)
                 if best_key is None or key > best_key:
                     best, best_key = i, key
             if candidate is request:
@@ -787,7 +787,7 @@ class TenantSchedulingMixin:
         head = self.waiting.peek_request()
         head_t = self._tenancy_of(head)
         ordered = kv.settings.class_service  # else (an ablation) every request is looked at
-        if ordered and self._tenancy_of(self.running[-1]).rank <= head_t.rank:
+        if ordered and self._tenancy_of(self.running[-1]).victim_class <= head_t.victim_class:
             return []  # `running` is in class order: nobody below the head runs
         slot_short = len(self.running) >= self.max_num_active_reqs
         need, free = self._admission_gap(head, head_t)
@@ -796,7 +796,7 @@ class TenantSchedulingMixin:
         lower: list[Request] = []
         for request in reversed(self.running):
             t = self._tenancy_of(request)
-            if t.rank <= head_t.rank:
+            if t.victim_class <= head_t.victim_class:
                 if ordered:
                     break
                 continue
@@ -807,9 +807,11 @@ class TenantSchedulingMixin:
             t = self._tenancy_of(r)
             candidates.append((t.candidate(r, self._counter(t)), self._reclaimable(r)))
         rule = kv.settings.victim_rule
-        chosen = admission_victims(head_t.rank, need, free, candidates, rule)
+        chosen = admission_victims(head_t.victim_class, need, free, candidates, rule)
         if slot_short and not chosen and free >= need and candidates:
-            chosen = admission_victims(head_t.rank, 1, 0, [(c, 1) for c, _ in candidates], rule)
+            chosen = admission_victims(
+                head_t.victim_class, 1, 0, [(c, 1) for c, _ in candidates], rule
+            )
         if not chosen:
             return []  # preempting could not admit the head: leave everyone running
         victims = [lower[i] for i in chosen]

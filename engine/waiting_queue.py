@@ -173,23 +173,23 @@ class FairBucket:
 
 
 class TenantWaitingQueue:
-    """One request queue per rank (0 = served first).
+    """One request queue per bucket (0 = served first).
 
     Invariant: a request sits in bucket `rank_of(request)` and nowhere else;
     `len(self)` is the sum of bucket sizes. Costs: those of the bucket queue
     (FCFS: add/prepend O(1); priority: O(log n)) plus O(ranks) to find the
     first non-empty bucket on peek and pop (ranks = tiers + 1, a small
-    constant). With a single rank it behaves exactly like its bucket queue.
+    constant). With a single bucket it behaves exactly like its bucket queue.
     """
 
     def __init__(
         self,
         rank_of: Callable[[Request], int],
-        num_ranks: int,
-        make_bucket: Callable[[int], Any] = lambda rank: Fifo(),
+        num_buckets: int,
+        make_bucket: Callable[[int], Any] = lambda bucket: Fifo(),
     ) -> None:
         self._rank_of = rank_of
-        self._buckets = [make_bucket(rank) for rank in range(num_ranks)]
+        self._buckets = [make_bucket(b) for b in range(num_buckets)]
         self._len = 0
         self._peeked: Any = None  # the bucket the last peek showed
 
@@ -233,11 +233,11 @@ class TenantWaitingQueue:
         self._peeked = None
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
-        by_rank: dict[int, list[Request]] = {}
+        by_bucket: dict[int, list[Request]] = {}
         for request in requests:
-            by_rank.setdefault(self._rank_of(request), []).append(request)
-        for rank, gone in by_rank.items():
-            bucket = self._buckets[rank]
+            by_bucket.setdefault(self._rank_of(request), []).append(request)
+        for index, gone in by_bucket.items():
+            bucket = self._buckets[index]
             before = len(bucket)
             bucket.remove_requests(gone)
             self._len -= before - len(bucket)

@@ -343,23 +343,23 @@ class TenantMiddleware:
             # A websocket body cannot be rewritten, so it would reach the engine unsalted.
             await send({"type": "websocket.close", "code": 1008, "reason": "not served"})
             return
-        klass = "public"  # lifespan
+        route = "public"  # lifespan
         if scope["type"] == "http":
-            klass = route_class(scope["path"])
+            route = route_class(scope["path"])
             if self.config.metrics_auth and _is_metrics(scope["path"]):
-                klass = "metrics"
+                route = "metrics"
             elif _is_preflight(scope):
                 # A CORS preflight carries no credentials; vLLM's CORSMiddleware, inside
                 # this one, answers it without reaching a route. Any other OPTIONS request
                 # reaches the route like a GET would, so it is checked like one.
-                klass = "public"
-        if klass == "public":
+                route = "public"
+        if route == "public":
             if _is_metrics(scope.get("path", "")) and multiprocess():
                 await _multiprocess_metrics(send)
                 return
             await self.app(scope, receive, send)
             return
-        if DRAINING.is_set() and klass == "tenant":
+        if DRAINING.is_set() and route == "tenant":
             await send_error(
                 send,
                 503,
@@ -368,18 +368,18 @@ class TenantMiddleware:
                 [(b"retry-after", b"5"), (b"connection", b"close")],
             )
             return
-        ctx = await self._verify(scope, send, klass)
+        ctx = await self._verify(scope, send, route)
         if ctx is None:
             return  # already answered with an error
         scope.setdefault("state", {})[STATE_KEY] = ctx
-        if klass == "metrics" and multiprocess():
+        if route == "metrics" and multiprocess():
             await _multiprocess_metrics(send)
-        elif klass == "tenant":
+        elif route == "tenant":
             await self._tenant_request(scope, receive, send, ctx)
         else:
             await self.app(scope, receive, send)
 
-    async def _verify(self, scope: Scope, send: Send, klass: str) -> TenantContext | None:
+    async def _verify(self, scope: Scope, send: Send, route: str) -> TenantContext | None:
         """The verified identity, or None after answering 401/403."""
         try:
             ctx = self.config.authenticator.authenticate(_header(scope, b"authorization"))
@@ -388,13 +388,13 @@ class TenantMiddleware:
             return None
         # /admin/* checks its own roles; any other admin route needs the admin role.
         if (
-            klass == "admin"
+            route == "admin"
             and not scope["path"].startswith("/admin/")
             and "admin" not in ctx.roles
         ):
             await self._refuse(send, 403, "this route needs the 'admin' role", "role_not_allowed")
             return None
-        if klass == "metrics" and not (METRICS_ROLES & ctx.roles):
+        if route == "metrics" and not (METRICS_ROLES & ctx.roles):
             await self._refuse(send, 403, "/metrics needs the 'metrics' role", "role_not_allowed")
             return None
         return ctx

@@ -17,9 +17,9 @@ from kvlease.engine.policy import (
     leases_yield,
     may_take,
     preemption_mode,
-    protection_rank,
     service_key,
     unreserved_blocks,
+    victim_class,
     victim_order,
 )
 
@@ -213,7 +213,7 @@ def test_admission_preempts_only_lower_classes_least_first_and_only_what_closes_
 
 
 def _rank(c: Candidate) -> tuple[int, int, int]:
-    return protection_rank(c.classified, c.leased, c.tier_priority)
+    return victim_class(c.classified, c.leased, c.tier_priority)
 
 
 def test_a_lease_yields_only_to_its_tier_or_a_more_important_one():
