@@ -117,7 +117,7 @@ def _export(args: argparse.Namespace) -> None:
     """Copy kvlease's flags to the environment every server process reads."""
     for f in FLAGS:
         value = getattr(args, f.flag.removeprefix("--").replace("-", "_"))
-        if f.env is None or value in (None, False):
+        if f.env is None or value is None or value is False:  # unset (0 is a value)
             continue
         if f.kind == "path":
             value = Path(value).resolve()
