@@ -168,3 +168,22 @@ def test_a_ledger_url_kvlease_does_not_speak_is_one_line(tmp_path):
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert "is not a ledger URL" in line
+
+
+def test_every_kvlease_serve_flag_reaches_the_environment(monkeypatch, tmp_path):
+    """FLAGS is the one table: each flag that names a variable sets it (a path made
+    absolute, a switch as 1, a number as given, 0 included)."""
+    from kvlease.server import serve
+
+    environ = {k: v for k, v in os.environ.items() if k not in {f.env for f in serve.FLAGS}}
+    monkeypatch.setattr(os, "environ", environ)  # nothing leaks into later tests
+    monkeypatch.chdir(tmp_path)
+    args, rest = serve._kvlease_args(
+        ["--tiers", "t.toml", "--max-tenant-labels", "0", "--otel", "--port", "9"]
+    )
+    serve._export(args)
+    assert rest == ["--port", "9"]
+    assert environ[serve.TIERS_ENV] == str(tmp_path / "t.toml")
+    assert environ[serve.MAX_LABELS_ENV] == "0"
+    assert environ[serve.OTEL_ENV] == "1"
+    assert serve.METRICS_AUTH_ENV not in environ  # a switch left off sets nothing
