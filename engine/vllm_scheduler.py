@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlease.engine.runtime import require_vllm
 
@@ -240,7 +240,15 @@ class _DeferredFrees(deque):
         return entry
 
 
-class TenantSchedulingMixin:
+# For the type checker the mixin is a Scheduler (it only ever runs as one); at run time
+# it is a plain mixin, applied to both of vLLM's scheduler classes.
+if TYPE_CHECKING:
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class TenantSchedulingMixin(_SchedulerBase):
     """Tenant-aware preemption, lease reservations and accounting for a vLLM Scheduler.
 
     Its state is one attribute, `self.kvlease` (`KvleaseState`: its fields and their
