@@ -145,7 +145,9 @@ def simulate(
         priority = {name: tiers[name].priority for name in tiers} if stock == "priority" else {}
     else:
         priority = {}
-    clock = scheduler.kvlease.clock = _Clock()
+    clock = _Clock()
+    if stock is None:  # kvlease's lease clock follows the step clock
+        scheduler.kvlease.clock = clock
     ticks = 1.0 / cost.base if cost.is_fixed else 1000.0  # a tick: a step, or a millisecond
     vocab = scheduler.vllm_config.model_config.get_vocab_size()
     max_len = scheduler.vllm_config.model_config.max_model_len
