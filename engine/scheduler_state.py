@@ -166,9 +166,14 @@ class KvleaseState:
     def fair_share_rows(self) -> list[FairShareRow]:
         """Every tracked tenant's counter, and each waiting tenant's fair-share ratio since
         the last settlement."""
+        return self._fair_share_rows({tier: s.shares() for tier, s in self.shares.items()})
+
+    def _fair_share_rows(
+        self, waiting_by_tier: dict[str, dict[str, tuple[float, float, float]]]
+    ) -> list[FairShareRow]:
         rows = []
         for tier, share in self.shares.items():
-            waiting = share.shares()
+            waiting = waiting_by_tier[tier]
             for tenant, account in share.accounts.items():
                 ratio = None
                 if tenant in waiting:
@@ -202,14 +207,19 @@ class KvleaseState:
 
     # -- settlement ------------------------------------------------------------
 
-    def settle_fair_share(self) -> None:
+    def settle_fair_share(self) -> list[FairShareRow]:
         """Add each waiting tenant's service and entitlement since the last settlement to
-        the cumulative totals (`accounting.fair_share_tokens`), and start anew."""
+        the cumulative totals (`accounting.fair_share_tokens`), and start anew; the rows
+        `fair_share_rows` gave just before (a snapshot reads them from here, so each
+        window's shares are worked out once)."""
         books = self.accounting.fair_share_tokens
+        settled = {}
         for tier, share in self.shares.items():
             for tenant in share.accounts:
                 books.setdefault((self.label(tenant), tier), [0.0, 0.0])  # a series from start
-            for tenant, (_, served, entitled) in share.settle().items():
+            settled[tier] = share.settle()
+            for tenant, (_, served, entitled) in settled[tier].items():
                 book = books[(self.label(tenant), tier)]
                 book[0] += served
                 book[1] += entitled
+        return self._fair_share_rows(settled)

@@ -97,8 +97,7 @@ def engine_state(
     """
     now = kv.clock()
     leases, summary = lease_listing(kv, now)
-    fair = kv.fair_share_rows()
-    kv.settle_fair_share()  # before the totals: it adds to them
+    fair = kv.settle_fair_share()  # before the totals: it adds to them
     acc = kv.accounting
     return EngineState(
         at=now,
