@@ -56,7 +56,7 @@ class Sku:
 
     @property
     def tokens(self) -> bool:
-        return self.counts != "block_us" and not self.counts.endswith("_us")
+        return not self.counts.endswith("_us")  # else block-microseconds
 
     @property
     def pricing_unit(self) -> str:
