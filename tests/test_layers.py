@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from layout import FOLDERS
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each package may import only packages on a lower floor (and itself).
@@ -86,6 +87,10 @@ def test_every_first_party_import_goes_through_the_namespace():
         if name.split(".")[0] in FLOORS
     ]
     assert bare == []
+
+
+def test_every_installed_folder_has_a_floor():
+    assert set(FLOORS) == set(FOLDERS)  # pyproject's package-dir and these floors agree
 
 
 def test_packages_import_only_downward():

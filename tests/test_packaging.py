@@ -17,11 +17,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from layout import FOLDERS, ROOT
 
 from kvlease.server.serve import MIDDLEWARE, SCHEDULER
-
-ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("engine", "exporters", "server", "demo", "dashboard", "grafana", "replay")
 
 
 @pytest.fixture(scope="module")

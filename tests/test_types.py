@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("engine", "exporters", "server", "demo", "dashboard", "grafana", "replay")
+from layout import FOLDERS, ROOT
+
 STRICT = ("engine/policy.py", "engine/fairness.py", "engine/leases.py", "engine/free_queue.py")
 
 

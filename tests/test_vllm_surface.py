@@ -9,7 +9,6 @@ import inspect
 
 import pytest
 from vllm.config import ParallelConfig
-from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.core.sched import request_queue
@@ -22,7 +21,6 @@ CLASSES = {
     "Scheduler": Scheduler,
     "KVCacheManager": KVCacheManager,
     "FreeKVCacheBlockQueue": FreeKVCacheBlockQueue,
-    "BlockPool": BlockPool,
     "ParallelConfig": ParallelConfig,
     "request_queue": request_queue,
 }
