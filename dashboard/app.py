@@ -76,6 +76,7 @@ def live_page() -> None:
         offered = [s for s in sources if getattr(CONFIG, s)] or ["engine"]
         source = st.radio("Source", offered, format_func=sources.get, key="source")
         if source == "prometheus":
+            assert CONFIG.prometheus is not None  # offered only when set
             url, token = CONFIG.prometheus, None
         else:
             url = CONFIG.engine or DEFAULT_ENGINE
@@ -307,7 +308,8 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
 
 
 def usage_page() -> None:
-    if not CONFIG.usage_db:
+    db = CONFIG.usage_db
+    if not db:
         st.info("No usage ledger configured: start the dashboard with --usage-db URL.")
         return
     c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
@@ -322,7 +324,7 @@ def usage_page() -> None:
     search = st.text_input("Search tenants", key="usage_search")
     try:
         lo, hi = parse_window(str(first), str(after))
-        finance = load_finance(CONFIG.usage_db, lo, hi)
+        finance = load_finance(db, lo, hi)
         budgets = usage.budget_status(finance.tenants, budget_table(), lo, hi, finance.currency)
     except (ValueError, data.SourceError) as err:
         st.error(str(err))
@@ -348,14 +350,14 @@ def usage_page() -> None:
     c1, c2 = st.columns(2)
     c1.download_button(
         "Download FOCUS CSV",
-        lambda: usage.export_csv(CONFIG.usage_db, lo, hi, "focus", granularity, tiers),
+        lambda: usage.export_csv(db, lo, hi, "focus", granularity, tiers),
         file_name=f"{name}-{granularity}.csv",
         mime="text/csv",
         help="The file `kvlease usage export` writes for this period and granularity.",
     )
     c2.download_button(
         "Tenant summary CSV",
-        lambda: usage.export_csv(CONFIG.usage_db, lo, hi, "summary", granularity, tiers),
+        lambda: usage.export_csv(db, lo, hi, "summary", granularity, tiers),
         file_name=f"{name}-summary.csv",
         mime="text/csv",
         help="One row per tenant, its statement's total: `kvlease usage export --format summary`.",
@@ -373,9 +375,9 @@ def usage_page() -> None:
         unit = currency if measure == "cost" else "tokens"
         st.plotly_chart(charts.over_time(series, unit, stack), key="over_time")
     with statement_tab:
-        statement_view(finance, lo, hi)
+        statement_view(db, finance, lo, hi)
     with requests_tab:
-        requests_view(finance, lo, hi)
+        requests_view(db, finance, lo, hi)
     with reconciliation:
         reconciliation_view(finance, lo, hi)
 
@@ -416,11 +418,11 @@ def _tenant_with_usage(finance: usage.Finance, key: str) -> str | None:
     return st.selectbox("Tenant", list(owing["tenant_id"]), key=key)
 
 
-def statement_view(finance: usage.Finance, lo: float, hi: float) -> None:
+def statement_view(db: str, finance: usage.Finance, lo: float, hi: float) -> None:
     if (tenant := _tenant_with_usage(finance, "statement_tenant")) is None:
         return
     try:
-        s = load_statement(CONFIG.usage_db, tenant, lo, hi)
+        s = load_statement(db, tenant, lo, hi)
     except data.SourceError as err:
         st.error(str(err))
         return
@@ -444,11 +446,11 @@ def statement_view(finance: usage.Finance, lo: float, hi: float) -> None:
 REQUESTS_SHOWN = 500
 
 
-def requests_view(finance: usage.Finance, lo: float, hi: float) -> None:
+def requests_view(db: str, finance: usage.Finance, lo: float, hi: float) -> None:
     if (tenant := _tenant_with_usage(finance, "requests_tenant")) is None:
         return
     try:
-        frame = load_requests(CONFIG.usage_db, tenant, lo, hi)
+        frame = load_requests(db, tenant, lo, hi)
     except data.SourceError as err:
         st.error(str(err))
         return
@@ -531,8 +533,10 @@ def what_if_page() -> None:
         run = st.form_submit_button("Run replay")
     if run:
         try:
-            trace = whatif.allowed_file(trace, CONFIG.whatif_dir) if source == "trace" else None
-            tiers = whatif.allowed_file(tiers, CONFIG.whatif_dir) if tiers else None
+            trace_file = (
+                whatif.allowed_file(trace, CONFIG.whatif_dir) if source == "trace" else None
+            )
+            tiers_file = whatif.allowed_file(tiers, CONFIG.whatif_dir) if tiers else None
         except whatif.InputError as exc:
             st.error(str(exc))
             return
@@ -541,17 +545,17 @@ def what_if_page() -> None:
             job.stop()
         new = whatif.ReplayJob()
         argv = whatif.replay_argv(
-            trace=trace,
+            trace=trace_file,
             start=str(start),
             end=str(end),
-            tiers=tiers,
+            tiers=tiers_file,
             assign=new.write("assign.toml", assign) if assign.strip() else None,
             pool_blocks=int(pool),
             current_pool_blocks=int(current),
             speed=float(speed),
         )
         st.session_state["whatif_job"] = new.start(argv, CONFIG.usage_db)
-        st.session_state["whatif_window"] = None if trace else (str(start), str(end))
+        st.session_state["whatif_window"] = None if trace_file else (str(start), str(end))
     what_if_result()
 
 

@@ -168,7 +168,9 @@ class ReplayJob:
     def poll(self) -> tuple[str, Any]:
         """("running", the progress line), ("done", the report) or ("failed", the error)."""
         self.polled = time.monotonic()
-        code = self.process.poll() if self.process else None
+        if self.process is None:
+            raise RuntimeError("poll() before start()")
+        code = self.process.poll()
         if code is None:
             if _rss(self.process.pid) > CHILD_MAX_RSS_BYTES:
                 self.process.kill()

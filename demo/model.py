@@ -95,7 +95,7 @@ def build_demo_model(out: Path) -> None:
         dtype="bfloat16",
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).bfloat16()
     model.save_pretrained(out)
 
 

@@ -22,8 +22,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -449,7 +450,7 @@ def _summary(
     records = []
     if demo.ledger.exists():
         records = list(UsageLedger(f"sqlite:///{demo.ledger}", create=False).read(since, 4e9))
-    cost: Counter = Counter()
+    cost: defaultdict[str, Decimal] = defaultdict(Decimal)
     by_tier: Counter[str] = Counter()
     for r in records:
         cost[r.tenant_id] += record_cost(r, tiers)  # KV retention records included

@@ -15,13 +15,13 @@ exactly, whatever happens to the event buffer.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvlease.engine.events import TenantHolding
 
-Tenant = str | None  # None: unclassified requests
+Tenant = str  # a tenant label (kvlease.engine.labels): bounded, unclassified requests included
 
 
 class AccountingError(AssertionError):
@@ -47,7 +47,7 @@ class TenantAccounting:
     requests + free blocks = usable pool.
     """
 
-    block_seconds: Counter[Tenant] = field(default_factory=Counter)
+    block_seconds: defaultdict[Tenant, float] = field(default_factory=lambda: defaultdict(float))
     request_block_seconds: dict[str, float] = field(default_factory=dict)
     # (tenant, tier, reason, mode, by_tier): by_tier is the tier whose allocation caused it
     preemptions: Counter[tuple[Tenant, str | None, str, str, str]] = field(default_factory=Counter)

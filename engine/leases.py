@@ -13,15 +13,17 @@ import heapq
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 Clock = Callable[[], float]
+K = TypeVar("K", bound=Hashable)  # a session key: the scheduler's is (tenant id, session id)
 
 
 @dataclass(slots=True)
-class Lease:
+class Lease(Generic[K]):
     """One session's lease. `expires_at` is None while a request is in flight."""
 
-    session: Hashable
+    session: K
     lease_seconds: float
     in_flight: int = 0
     expires_at: float | None = None
@@ -31,15 +33,15 @@ class Lease:
 
 
 @dataclass(slots=True)
-class LeaseChange:
-    session: Hashable
+class LeaseChange(Generic[K]):
+    session: K
     kind: str  # "start", "renew" or "expire"
     expires_at: float | None  # None while requests are in flight
     at: float
 
 
 @dataclass
-class LeaseBook:
+class LeaseBook(Generic[K]):
     """Leases by session key, with an expiry heap.
 
     Invariant: every leased session with no request in flight has exactly one
@@ -50,11 +52,11 @@ class LeaseBook:
     """
 
     clock: Clock = time.monotonic
-    _leases: dict[Hashable, Lease] = field(default_factory=dict)
-    _heap: list[tuple[float, int, Hashable]] = field(default_factory=list)
+    _leases: dict[K, Lease[K]] = field(default_factory=dict)
+    _heap: list[tuple[float, int, K]] = field(default_factory=list)
     _seq: int = 0
 
-    def request_started(self, session: Hashable, lease_seconds: float) -> LeaseChange | None:
+    def request_started(self, session: K, lease_seconds: float) -> LeaseChange[K] | None:
         """A request of `session` arrived. Returns the lease change, if leased."""
         if lease_seconds <= 0:
             return None
@@ -70,7 +72,7 @@ class LeaseBook:
         lease.expires_at = None
         return LeaseChange(session, kind, None, now)
 
-    def request_finished(self, session: Hashable) -> LeaseChange | None:
+    def request_finished(self, session: K) -> LeaseChange[K] | None:
         """A request of `session` left the engine (finished or aborted)."""
         lease = self._leases.get(session)
         if lease is None or lease.in_flight == 0:
@@ -84,7 +86,7 @@ class LeaseBook:
         heapq.heappush(self._heap, (lease.expires_at, self._seq, session))
         return LeaseChange(session, "renew", lease.expires_at, now)
 
-    def expire(self) -> list[LeaseChange]:
+    def expire(self) -> list[LeaseChange[K]]:
         """Forget every lease that has run out by now; return their expiry changes."""
         now = self.clock()
         changes = []
@@ -97,11 +99,11 @@ class LeaseBook:
             changes.append(LeaseChange(session, "expire", expires_at, now))
         return changes
 
-    def active(self, session: Hashable) -> bool:
+    def active(self, session: K) -> bool:
         lease = self._leases.get(session)
         return lease is not None and lease.active(self.clock())
 
-    def seconds_left(self, session: Hashable) -> float | None:
+    def seconds_left(self, session: K) -> float | None:
         """None when not leased; inf while a request is in flight."""
         lease = self._leases.get(session)
         now = self.clock()
@@ -112,5 +114,5 @@ class LeaseBook:
         assert lease.expires_at is not None
         return lease.expires_at - now
 
-    def sessions(self) -> list[Hashable]:
+    def sessions(self) -> list[K]:
         return list(self._leases)

@@ -37,6 +37,7 @@ scheduler forgets it with the lease), per tenant and per tier, each at most GAPS
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from collections import deque
@@ -56,11 +57,11 @@ class ReserveMode(enum.StrEnum):
 def reserve_mode(value: object) -> ReserveMode:
     """The mode `value` names; a ValueError that lists the modes otherwise (the tier
     table and the scheduler settings prefix it with where the value came from)."""
-    try:
-        return ReserveMode(value)
-    except ValueError:
-        modes = ", ".join(repr(m.value) for m in ReserveMode)
-        raise ValueError(f"must be one of {modes}, got {value!r}") from None
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return ReserveMode(value)
+    modes = ", ".join(repr(m.value) for m in ReserveMode)
+    raise ValueError(f"must be one of {modes}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +158,11 @@ class ReturnModel:
         return min(think, policy.max_seconds, lease)
 
     def _speaker(self, session: Hashable, tenant: Hashable, tier: str) -> History | None:
-        for book, key in ((self._sessions, session), (self._tenants, tenant), (self._tiers, tier)):
-            history = book.get(key)
+        for history in (
+            self._sessions.get(session),
+            self._tenants.get(tenant),
+            self._tiers.get(tier),
+        ):
             if history is not None and history.turns >= MIN_HISTORY:
                 return history
         return None

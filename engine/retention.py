@@ -24,7 +24,7 @@ Plain Python; nothing here imports vLLM.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
 
 from kvlease.engine.events import Retention
@@ -55,7 +55,7 @@ class RetentionMeter:
     def __init__(self, model: str) -> None:
         self.model = model  # the served model name, for the records
         self.episodes: dict[Holder, Episode] = {}
-        self.totals: Counter[tuple[str, str, str]] = Counter()
+        self.totals: defaultdict[tuple[str, str, str], float] = defaultdict(float)
 
     def open(self, holder: Holder, at: float, request_id: str, api_server: int) -> None:
         self.episodes[holder] = Episode(request_id, api_server, at, at)

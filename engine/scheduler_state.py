@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 from kvlease.engine.accounting import TenantAccounting
@@ -29,6 +29,8 @@ from kvlease.engine.policy import CostModel
 from kvlease.engine.reservations import ReservePolicy, ReturnModel
 from kvlease.engine.retention import RetentionMeter
 from kvlease.engine.settings import SchedulerSettings
+
+Session = tuple[str | None, str | None]  # a session's key: (tenant id, session id)
 
 
 class KvleaseState:
@@ -113,7 +115,7 @@ class KvleaseState:
         tiers = settings.tiers
         self.settings = settings
         self.clock: Callable[[], float] = time.monotonic
-        self.leases = LeaseBook(clock=lambda: self.clock())
+        self.leases: LeaseBook[Session] = LeaseBook(clock=lambda: self.clock())
         self.returns = ReturnModel()  # when sessions come back: the reservation window
         override = settings.reserve  # KVLEASE_RESERVE: every tier's mode at once
         self.reserve_policy: dict[str, ReservePolicy] = {
@@ -122,7 +124,7 @@ class KvleaseState:
             else dataclasses.replace(tier.reservation, mode=override)
             for name, tier in tiers.items()
         }
-        self.windows: list[tuple[float, int, Hashable]] = []  # reservation ends, a heap
+        self.windows: list[tuple[float, int, Session]] = []  # reservation ends, a heap
         self.seq = itertools.count()  # ties in `windows`
         self.retention = RetentionMeter(model_name)
         self.events = EventBuffer(settings.event_capacity)
@@ -130,7 +132,7 @@ class KvleaseState:
         self.label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
         self.tenant_tiers: dict[str, str] = {}  # tenant label -> the tier it last came with
         self.tenancy: dict[str, Any] = {}  # request id -> Tenancy (the adapter's record)
-        self.holders: dict[Hashable, Holder] = {}
+        self.holders: dict[Session, Holder] = {}
         self.admissions = itertools.count()
         self.preempt_reason = "kv_pressure"
         self.last_sample = float("-inf")

@@ -73,7 +73,7 @@ class SchedulerSettings:
 
         def number(key: str, low: float, default: float | None) -> float | None:
             value = raw[key]
-            if value in (None, ""):
+            if value is None or value == "":
                 return default
             try:
                 out = float(value)

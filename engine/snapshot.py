@@ -126,7 +126,10 @@ def engine_state(
             block_seconds=list(acc.block_seconds.items()),
             offloaded_blocks=list(acc.offloaded_blocks.items()),
             lease_reuse_tokens=[(*k, n) for k, n in acc.lease_reuse_tokens.items()],
-            fair_share_tokens=[(*k, *v) for k, v in acc.fair_share_tokens.items()],
+            fair_share_tokens=[
+                (tenant, tier, served, entitled)
+                for (tenant, tier), (served, entitled) in acc.fair_share_tokens.items()
+            ],
             retention_block_seconds=[(*k, v) for k, v in kv.retention.totals.items()],
         ),
         fair_share=fair,
@@ -140,6 +143,7 @@ def lease_listing(kv: KvleaseState, now: float) -> tuple[list[Lease], dict[str, 
     summary: dict[str, LeaseSummary] = {}
     for session in kv.leases.sessions():
         tenant_id, session_id = session
+        assert tenant_id is not None  # unclassified requests hold no lease
         holder = kv.holders.get(session)
         left = kv.leases.seconds_left(session)
         in_flight = left == float("inf")

@@ -38,7 +38,6 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +82,7 @@ from kvlease.engine.policy import (  # noqa: E402
     within_class_key,
 )
 from kvlease.engine.reservations import ReturnModel  # noqa: E402
-from kvlease.engine.scheduler_state import KvleaseState  # noqa: E402
+from kvlease.engine.scheduler_state import KvleaseState, Session  # noqa: E402
 from kvlease.engine.settings import SchedulerSettings, SettingsError  # noqa: E402
 from kvlease.engine.waiting_queue import FairBucket, TenantWaitingQueue  # noqa: E402
 
@@ -181,7 +180,7 @@ class Tenancy:
     charged_until: int = 0  # its tokens charged to the account so far (prompt at admission)
 
     @property
-    def session(self) -> Hashable:
+    def session(self) -> Session:
         return (self.tenant_id, self.session_id)
 
     def candidate(self, request: Request, counter: float) -> Candidate:
@@ -243,6 +242,8 @@ class _DeferredFrees(deque):
 # For the type checker the mixin is a Scheduler (it only ever runs as one); at run time
 # it is a plain mixin, applied to both of vLLM's scheduler classes.
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
     _SchedulerBase = Scheduler
 else:
     _SchedulerBase = object
@@ -267,8 +268,11 @@ class TenantSchedulingMixin(_SchedulerBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        settings = SchedulerSettings.load(self.vllm_config.additional_config)
-        kv = self.kvlease = KvleaseState(settings, self.vllm_config.model_config.served_model_name)
+        additional = self.vllm_config.additional_config
+        settings = SchedulerSettings.load(additional if isinstance(additional, dict) else None)
+        model_name = self.vllm_config.model_config.served_model_name
+        assert isinstance(model_name, str)  # ModelConfig keeps the first of a list
+        kv = self.kvlease = KvleaseState(settings, model_name)
         tiers = settings.tiers
         pool = kv.pool = self.kv_cache_manager.block_pool
         usable = pool.num_gpu_blocks - 1  # vLLM's null block is never handed out
@@ -278,7 +282,9 @@ class TenantSchedulingMixin(_SchedulerBase):
         # PRIORITY vLLM picks its own victims by (priority, arrival) as stock does.
         # Within a tier, tenants take turns by fair share (kvlease.engine.fairness).
         kv.kv_caps = tiers.tenant_kv_caps(usable)
-        self.waiting = TenantWaitingQueue(self._bucket_of, len(tiers) + 1, self._make_bucket)
+        self.waiting = TenantWaitingQueue(  # type: ignore[assignment]  # a virtual RequestQueue
+            self._bucket_of, len(tiers) + 1, self._make_bucket
+        )
         self.running = _RunningList(self._admitted, self._service_key)
 
         caps = tiers.leased_caps(usable)  # least important leasing tier first
@@ -471,7 +477,9 @@ class TenantSchedulingMixin(_SchedulerBase):
         tenant_id, tier_name = args.get("tenant_id"), args.get("tier")
         session_id = args.get("session_id")
         tiers = kv.settings.tiers
-        if not isinstance(tenant_id, str) or not tenant_id or tier_name not in tiers:
+        if not (isinstance(tenant_id, str) and tenant_id and isinstance(tier_name, str)) or (
+            tier_name not in tiers
+        ):
             if tenant_id is not None:
                 logger.warning(
                     "request %s: tenant fields %r are incomplete or name an unknown tier; "
@@ -600,10 +608,10 @@ class TenantSchedulingMixin(_SchedulerBase):
         kv = self.kvlease
         for request_id, t in list(kv.awaiting_hit.items()):
             request = self.requests.get(request_id)
-            stats = request.prefill_stats if request is not None else None
-            if stats is not None and request.status is RUNNING:
-                t.lease_cached = stats.num_cached_tokens
-                del kv.awaiting_hit[request_id]
+            if request is None or request.status is not RUNNING or request.prefill_stats is None:
+                continue
+            t.lease_cached = request.prefill_stats.num_cached_tokens
+            del kv.awaiting_hit[request_id]
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         kv = self.kvlease
@@ -653,7 +661,9 @@ class TenantSchedulingMixin(_SchedulerBase):
         if manager.allocate_slots not in ours:
             return  # somebody else's wrapper (a test's, a connector's): leave it in place
         tight = kv.free_queue.free_unreserved < len(self.running) + kv.step_blocks
-        manager.allocate_slots = kv.wrapped_allocate if tight or kv.kv_caps else kv.noting_allocate
+        manager.allocate_slots = (  # type: ignore[method-assign]  # VLLM_SURFACE: rebound
+            kv.wrapped_allocate if tight or kv.kv_caps else kv.noting_allocate
+        )
 
     def _allocate_noting_cause(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots`, noting whose allocation evicts: the cheap wrapper of a
@@ -757,7 +767,9 @@ class TenantSchedulingMixin(_SchedulerBase):
         `by_class`: the lowest class first, then that key. `request` itself competes at
         its computed tokens plus one per request behind it (see `_place_victim`)."""
         running, rule = self.running, self.kvlease.settings.victim_rule
-        best, best_key = -1, None
+        best = -1
+        best_key: tuple[Any, ...] | None = None
+        key: tuple[Any, ...]  # within_class_key's, or (victim class, that) `by_class`
         for i in range(len(running) - 1, -1, -1):
             candidate = running[i]
             t = self._tenancy_of(candidate)
@@ -1032,8 +1044,9 @@ class TenantSchedulingMixin(_SchedulerBase):
         """The session's last request in flight ends: how long are its blocks reserved?
         (kvlease.engine.reservations; the window never outlives the lease)."""
         kv = self.kvlease
-        holder, tier = t.holder, kv.settings.tiers[t.tier]
-        assert holder is not None and t.tenant_id is not None
+        holder = t.holder
+        assert holder is not None and t.tenant_id is not None and t.tier is not None
+        tier = kv.settings.tiers[t.tier]
         now = kv.clock()
         tenant = kv.label(t.tenant_id)
         kv.returns.turn_ended(t.session, tenant, tier.name, now)
@@ -1098,7 +1111,7 @@ class TenantSchedulingMixin(_SchedulerBase):
             )
         )
 
-    def _forget_if_idle(self, session: Hashable, holder: Holder) -> None:
+    def _forget_if_idle(self, session: Session, holder: Holder) -> None:
         busy = holder.in_flight or holder.protected or holder.deferred
         if not (busy or holder.cached or holder.leased):
             self.kvlease.holders.pop(session, None)
@@ -1165,6 +1178,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         if sample or snap is None:
             snap = self.sample_accounting()
         waiting = self.waiting
+        assert isinstance(waiting, TenantWaitingQueue)
         return snapshot.engine_state(
             self.kvlease, snap, len(self.running), len(waiting), waiting.bucket_sizes()
         )
@@ -1208,7 +1222,7 @@ class TenantAwareScheduler(TenantSchedulingMixin, Scheduler):
     """
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        vllm_config: VllmConfig = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         if cls is TenantAwareScheduler and vllm_config.scheduler_config.async_scheduling:
             cls = TenantAwareAsyncScheduler
         return super().__new__(cls)

@@ -96,6 +96,7 @@ class FairBucket:
             self.prepend_request(request)
 
     def _refused(self, a: Any) -> bool:
+        assert self._skip is not None  # FairShare.next is given this only when it is set
         return self._skip(a, self._queues[a.tenant].peek_request())
 
     def _head(self) -> tuple[Any, Any]:

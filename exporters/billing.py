@@ -32,6 +32,8 @@ import operator
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
+from decimal import Decimal
+from typing import Any
 
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters import money
@@ -163,6 +165,10 @@ class ChargeGroup:
     charges: Charges
 
 
+Charged = tuple[str, str, tuple[float, float]]  # tenant, model, charge period [start, end)
+Basis = tuple[str, tuple[Decimal, ...]]  # tier, unit prices of SKUS
+
+
 def charge_groups(
     usage: Iterable[Rollup],
     granularity: str,
@@ -176,13 +182,14 @@ def charge_groups(
     `usage` must come sorted by (tenant, model, time), as `UsageLedger.rollups` gives
     it; groups come in (tenant, model, period, tier, prices) order. Memory: the groups of
     one (tenant, model, period) at a time."""
-    key, groups = None, {}
+    key: Charged | None = None
+    groups: dict[Basis, Charges] = {}
     for rollup in usage:
         this = (rollup.tenant_id, rollup.model, period(rollup.at, granularity))
         if this != key:
             yield from _emit(key, groups, window)
             key, groups = this, {}
-        basis = (rollup.tier or "unclassified", unit_prices(rollup, tiers))
+        basis: Basis = (rollup.tier or "unclassified", unit_prices(rollup, tiers))
         group = groups.get(basis)
         if group is None:
             group = groups[basis] = Charges(basis[1])
@@ -190,7 +197,9 @@ def charge_groups(
     yield from _emit(key, groups, window)
 
 
-def _emit(key, groups: dict, window) -> Iterator[ChargeGroup]:
+def _emit(
+    key: Charged | None, groups: dict[Basis, Charges], window: tuple[float, float] | None
+) -> Iterator[ChargeGroup]:
     if key is None:
         return
     tenant, model, (start, end) = key
@@ -302,15 +311,16 @@ class _Context:
                             pricing, cost)  # fmt: skip
 
     def _row(
-        self, shared, row_key, model, tier, g: Charges, primary, sku: Sku, price, consumed,
-        pricing, billed,
+        self, shared: list[str | None], row_key: str, model: str, tier: str, g: Charges,
+        primary: bool, sku: Sku, price: Decimal, consumed: Decimal, pricing: Decimal,
+        billed: Decimal,
     ) -> list[str]:  # fmt: skip
         """One SKU's row; request-level figures ride on the group's first (`primary`)."""
         cost = money.focus_amount(billed)
         unit_price = money.plain(price)
         state = f":{sku.state}" if sku.state else ""
         sku_price = f"{sku.id}{state}:{tier}:{unit_price}:{self.currency}"
-        row = list(shared)
+        row: list[Any] = list(shared)  # every None filled below (or the CSV join fails)
         for name, value in (
             ("BilledCost", cost),
             ("ChargeDescription", self.guard(f"{sku.description} on {model}, {tier} tier")),
@@ -351,7 +361,7 @@ def raw_rows(records: Iterable[UsageRecord]) -> Iterator[dict[str, str]]:
         yield row
 
 
-def _values(r: UsageRecord) -> list:
+def _values(r: UsageRecord) -> list[Any]:
     return [getattr(r, name) for name in RAW_COLUMNS]
 
 
@@ -398,7 +408,10 @@ def _quoted(value: str) -> str:
 
 
 def usage(
-    ledger: UsageLedger, window: tuple[float, float], granularity: str, tenants=()
+    ledger: UsageLedger,
+    window: tuple[float, float],
+    granularity: str,
+    tenants: Sequence[str] = (),
 ) -> Iterator[Rollup]:
     """The ledger's usage in `window`, in the buckets `granularity` needs (months are
     summed from days here: months are not whole multiples of anything in SQL)."""

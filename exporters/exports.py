@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters.billing import RAW_COLUMNS, csv_chunks, focus_csv, raw_rows, usage
@@ -25,7 +25,7 @@ def export_chunks(
     fmt: str,
     granularity: str,
     tiers: TierTable,
-    tenants=(),
+    tenants: Sequence[str] = (),
 ) -> Iterator[str]:
     """The export file as CSV chunks, header first (`granularity` applies to FOCUS)."""
     if fmt == "raw":

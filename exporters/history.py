@@ -56,7 +56,7 @@ def _fair_share(state: EngineState) -> dict[str, list[float]]:
 
 def _by(label: Label, event: object) -> str | None:
     """The causing tenant's label, when the event has a cause."""
-    if getattr(event, "by_tier", None) in (None, NO_CAUSE):
+    if not isinstance(event, Preemption | Eviction) or event.by_tier == NO_CAUSE:
         return None
     return label(event.by_tenant)
 

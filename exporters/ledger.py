@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from operator import attrgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
     Boolean,
@@ -40,7 +40,7 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
 from kvlease.engine.paths import kvlease_home, private_file
@@ -78,7 +78,9 @@ class UsageRecord:
     recomputed_by: str | None = None
 
 
+Row = tuple[Any, ...]  # a record as the table's columns, in order (what a SQLAlchemy Row is)
 RETENTION = "retention"  # the outcome of a retention record (every other record: a request)
+MODEL_LENGTH = 200  # the longest model name a record keeps
 
 
 def causes_text(causes: dict[str, int]) -> str | None:
@@ -99,7 +101,7 @@ records = Table(
     Column("tenant_id", String(128), nullable=False),
     Column("tier", String(32)),
     Column("session_id", String(128)),
-    Column("model", String(200), nullable=False),
+    Column("model", String(MODEL_LENGTH), nullable=False),
     Column("started_at", Float, nullable=False),
     Column("ended_at", Float, nullable=False),
     Column("input_tokens", Integer, nullable=False),
@@ -329,7 +331,7 @@ class UsageLedger:
         COPY), then moved with set statements: drop ids already present, add the rest to
         the rollups, insert them (bench/ledger.py: about a quarter of the rate of a plain
         load with no rollups and one transaction)."""
-        unique: dict[str, tuple] = {}
+        unique: dict[str, Row] = {}
         for record in batch:
             unique.setdefault(record.request_id, _row(record))
         if not unique:
@@ -355,7 +357,9 @@ class UsageLedger:
         with self.engine.connect().execution_options(stream_results=True) as conn:
             for chunk in conn.execute(query).partitions(batch):
                 for row in chunk:
-                    yield UsageRecord(*row)  # the table's columns are the record's fields
+                    yield UsageRecord(
+                        *cast(Row, row)
+                    )  # the table's columns are the record's fields
 
     def latest(self, tenant: str, start: float, end: float, limit: int) -> list[UsageRecord]:
         """A tenant's last `limit` records ended in [start, end), newest first: the usage
@@ -371,7 +375,7 @@ class UsageLedger:
             .limit(limit)
         )
         with self.engine.connect() as conn:
-            return [UsageRecord(*row) for row in conn.execute(query)]
+            return [UsageRecord(*cast(Row, row)) for row in conn.execute(query)]
 
     def rollups(
         self, start: float, end: float, tenants: Sequence[str] = (), bucket: int = HOUR
@@ -427,7 +431,7 @@ class UsageLedger:
                 text(f"SELECT {_OPEN_LIST} FROM usage_open WHERE updated_at < :b AND owner <> :o"),
                 {"b": before, "o": owner},
             ).all()
-        return self.write(OpenRecord(*row).record() for row in rows) if rows else 0
+        return self.write(OpenRecord(*cast(Row, row)).record() for row in rows) if rows else 0
 
     def rebuild_rollups(self) -> int:
         """Recompute the rollups from the records for every hour since the prune horizon
@@ -462,8 +466,9 @@ class UsageLedger:
             return self._horizon(conn)
 
     @staticmethod
-    def _horizon(conn) -> int:
-        return conn.execute(text("SELECT max(pruned_before) FROM usage_retention")).scalar() or 0
+    def _horizon(conn: Connection) -> int:
+        horizon = conn.execute(text("SELECT max(pruned_before) FROM usage_retention")).scalar()
+        return int(horizon or 0)
 
     def last_ended(self) -> float | None:
         """When the newest record ended (epoch seconds), None for an empty ledger."""
@@ -474,7 +479,9 @@ class UsageLedger:
         """Records in the ledger; `requests_only`: leave out the KV retention records."""
         where = f" WHERE outcome <> '{RETENTION}'" if requests_only else ""
         with self.engine.connect() as conn:
-            return conn.execute(text(f"SELECT count(*) FROM usage_records{where}")).scalar() or 0
+            return int(
+                conn.execute(text(f"SELECT count(*) FROM usage_records{where}")).scalar() or 0
+            )
 
 
 _COLUMN_LIST = ", ".join(COLUMNS)
@@ -486,7 +493,7 @@ _NEW_ONLY = (
 )
 
 
-def _write_sqlite(conn, rows: list[tuple]) -> int:
+def _write_sqlite(conn: Connection, rows: list[Row]) -> int:
     cursor = conn.connection.cursor()  # the driver's own: executemany binds tuples fastest
     # A write first, so this transaction holds SQLite's one write lock from here on: no
     # other process can add one of these ids between the check and the insert below.
@@ -507,7 +514,7 @@ def _write_sqlite(conn, rows: list[tuple]) -> int:
     return new
 
 
-def _write_postgresql(conn, rows: list[tuple]) -> int:
+def _write_postgresql(conn: Connection, rows: list[Row]) -> int:
     cursor = conn.connection.cursor()
     cursor.execute(
         "CREATE TEMP TABLE IF NOT EXISTS usage_incoming (LIKE usage_records) ON COMMIT DELETE ROWS"
@@ -525,7 +532,8 @@ def _write_postgresql(conn, rows: list[tuple]) -> int:
         f" rolled AS ({rollups.insert_rollups('postgresql', 'new')} RETURNING 1)"
         " SELECT count(*) FROM new"
     )
-    return cursor.fetchone()[0]
+    (new,) = cursor.fetchone() or (0,)  # count(*): always one row
+    return int(new)
 
 
 def one_line(exc: BaseException) -> str:
@@ -534,7 +542,7 @@ def one_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cursor = dbapi_conn.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=FULL")  # a committed record survives a crash

@@ -25,15 +25,14 @@ from prometheus_client import Histogram, Summary
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 
+from kvlease.engine import retention
 from kvlease.engine.accounting import LEASE_OUTCOMES as LEASE_OUTCOMES  # LEASE_REUSE outcomes
 from kvlease.engine.budgets import ALERT_RATIO
 from kvlease.engine.events import EngineState, RequestDone, TenantHolding
 from kvlease.engine.labels import UNCLASSIFIED, TenantLabels
-from kvlease.engine.retention import STATES as RETENTION_STATES
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters.join import finish_outcome
 from kvlease.exporters.ranks import merge_states
@@ -69,6 +68,7 @@ KV_BLOCKS = Family(
     ("tenant_id", "state", "engine"),
 )
 BLOCK_STATES = TenantHolding.__struct_fields__  # KV_BLOCKS's `state` values, in stack order
+RETENTION_STATES = retention.STATES  # RETENTION_BLOCK_SECONDS's `state` values
 POOL_BLOCKS = Family(
     "vllm_tenant_kv_pool_blocks", "gauge", "Usable KV blocks in the pool.", ("engine",)
 )
@@ -288,12 +288,16 @@ FAMILIES = tuple(dict.fromkeys(v for v in list(globals().values()) if isinstance
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-def _family(f: Family) -> Metric:
+Collected = CounterMetricFamily | GaugeMetricFamily  # what a scrape of the engines yields
+
+
+def _family(f: Family) -> Collected:
+    """An engine family, collected at each scrape (process families are live metrics)."""
     if f.kind == "counter":
         return CounterMetricFamily(f.family, f.help, labels=f.labels)
     if f.kind == "gauge":
         return GaugeMetricFamily(f.name, f.help, labels=f.labels)
-    return HistogramMetricFamily(f.name, f.help, labels=f.labels)
+    raise ValueError(f"{f.name}: an engine family is a counter or a gauge, not a {f.kind}")
 
 
 def multiprocess() -> bool:
@@ -346,7 +350,7 @@ class TenantMetrics:
         self.budget_used = budget_used  # tenant -> month-to-date spend / budget
         self.process = ProcessMetrics()
 
-    def request_finished(self, tenant: str | None, tier: str | None, stats) -> None:
+    def request_finished(self, tenant: str | None, tier: str | None, stats: Any) -> None:
         """One vLLM FinishedRequestStats, attributed to its tenant."""
         label, tier_label = self.labels(tenant), tier or UNCLASSIFIED
         tokens = self.process[TOKENS]
@@ -390,7 +394,7 @@ class TenantMetrics:
         if not multiprocess():  # else the scrape reads every process's files
             yield from self.process.collect()
 
-    def _engine_families(self, fam: dict[str, Metric], engines: dict[int, EngineState]) -> None:
+    def _engine_families(self, fam: dict[str, Collected], engines: dict[int, EngineState]) -> None:
         """Gauges per data-parallel rank (label `engine`); counters as the ranks' sums."""
         for rank, state in engines.items():
             e = str(rank)
@@ -411,11 +415,14 @@ class TenantMetrics:
                 fam[LEASE_SECONDS_LEFT.name].add_metric([tenant, e], lease.seconds_left_max)
             for row in state.fair_share:
                 fam[FAIR_VIRTUAL_TOKENS.name].add_metric([row.tenant_id, row.tier, e], row.counter)
-        whole = merge_states(list(engines.values()))
+        self._totals(fam, merge_states(list(engines.values())))
+
+    def _totals(self, fam: dict[str, Collected], whole: EngineState) -> None:
+        """The engines' counters, summed over ranks."""
         totals = whole.totals
         fam[EVENTS_DROPPED.name].add_metric([], whole.events_dropped)
-        for tenant, tier in sorted(whole.tenant_tiers.items()):
-            fam[TENANT_INFO.name].add_metric([tenant, tier], 1)
+        for pair in sorted(whole.tenant_tiers.items()):
+            fam[TENANT_INFO.name].add_metric(list(pair), 1)
         for tenant, tier, reason, mode, by_tier, n in totals.preemptions:
             fam[PREEMPTIONS.name].add_metric([tenant, str(tier), reason, mode, by_tier], n)
         for tenant, tier, reason, n in totals.preempted_blocks:
@@ -432,8 +439,8 @@ class TenantMetrics:
             fam[KV_EVICTIONS.name].add_metric(list(labels), n)
         for tenant, seconds in totals.block_seconds:
             fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
-        for tenant, tier, state, seconds in sorted(totals.retention_block_seconds):
-            fam[RETENTION_BLOCK_SECONDS.name].add_metric([tenant, tier, state], seconds)
+        for tenant, tier, held_as, seconds in sorted(totals.retention_block_seconds):
+            fam[RETENTION_BLOCK_SECONDS.name].add_metric([tenant, tier, held_as], seconds)
         for tier, outcome, n in sorted(totals.lease_reuse_tokens):
             fam[LEASE_REUSE.name].add_metric([tier, outcome], n)
         for tenant, tier, served, entitled in sorted(totals.fair_share_tokens):
@@ -441,4 +448,4 @@ class TenantMetrics:
             fam[FAIR_ENTITLED.name].add_metric([tenant, tier], entitled)
 
     def _priority(self, tier: str | None) -> str:
-        return str(self.tiers[tier].priority) if tier in self.tiers else "none"
+        return str(self.tiers[tier].priority) if tier is not None and tier in self.tiers else "none"

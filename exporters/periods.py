@@ -28,9 +28,8 @@ def period(epoch: float, granularity: str) -> tuple[float, float]:
         return float(start), float(start + length)
     t = datetime.fromtimestamp(epoch, UTC)
     if granularity == "month":
-        start = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-        days = calendar.monthrange(t.year, t.month)[1]
-        return start.timestamp(), start.timestamp() + days * 86400
+        first = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0).timestamp()
+        return first, first + calendar.monthrange(t.year, t.month)[1] * DAY
     raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
 
 

@@ -7,13 +7,14 @@ scheduler; `/admin/state`, the history and the counters show their sum.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from kvlease.engine.events import EngineState, LeaseSummary, TenantHolding, Totals
 
 
-def _sum_rows(rows: Iterable[tuple], values: int = 1) -> list[tuple]:
+def _sum_rows(rows: Iterable[tuple[Any, ...]], values: int = 1) -> list[tuple[Any, ...]]:
     """Rows (key..., value...) with equal keys summed: ranks' cumulative totals."""
-    out: dict[tuple, list] = {}
+    out: dict[tuple[Any, ...], list[Any]] = {}
     for row in rows:
         key, vals = row[:-values], row[-values:]
         acc = out.setdefault(key, [0] * values)

@@ -21,8 +21,10 @@ everywhere, and the tests compare them on the same records.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 HOUR = 3600
 DAY = 86400
@@ -164,6 +166,6 @@ def select_rollups(bucket_seconds: int, tenants: int) -> str:
     )
 
 
-def from_row(row) -> Rollup:
+def from_row(row: Sequence[Any]) -> Rollup:
     tenant, model, at, tier, basis, *sums = row
     return Rollup(tenant, model, int(at), tier or None, basis or None, *map(int, sums))

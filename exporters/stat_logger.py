@@ -21,10 +21,17 @@ class KvleaseStatLogger(StatLoggerBase):
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self.telemetry = TELEMETRY.start()
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
         if iteration_stats is None:
             return
         metrics, join = self.telemetry.metrics, self.telemetry.join
+        assert metrics is not None  # TELEMETRY.start() registered them
         for stats in iteration_stats.finished_requests:
             entry = join.entry(stats.request_id)
             ctx = entry.ctx if entry else None

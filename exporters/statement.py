@@ -23,7 +23,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
+from kvlease.engine.tenancy import TierTable
 from kvlease.exporters import money
 from kvlease.exporters.billing import Account, charge_groups, csv_chunks
 from kvlease.exporters.periods import stamp
@@ -141,12 +143,12 @@ def statement(
     start: float,
     end: float,
     usage: Iterable[Rollup],
-    tiers,
+    tiers: TierTable,
     account: Account | None = None,
 ) -> Statement:
     """`usage` (rollups of `tenant`, sorted as `UsageLedger.rollups` gives them) priced
     as the FOCUS export by month prices it, a line per (model, tier, SKU, unit price)."""
-    sums: dict[tuple[str, str, int, Decimal], list] = {}
+    sums: dict[tuple[str, str, int, Decimal], list[Any]] = {}  # [units, exact cost]
     requests = recomputed = 0
     for group in charge_groups(usage, "month", tiers, (start, end)):
         c = group.charges
@@ -342,7 +344,9 @@ def summary_row(s: Statement) -> dict[str, str]:
     }
 
 
-def summaries(usage: Iterable[Rollup], window: tuple[float, float], tiers) -> Iterator[Statement]:
+def summaries(
+    usage: Iterable[Rollup], window: tuple[float, float], tiers: TierTable
+) -> Iterator[Statement]:
     """A statement per tenant of `usage` (rollups sorted by tenant first, as
     `UsageLedger.rollups` gives them); memory: one tenant's lines at a time."""
     account = Account.from_environment()
@@ -350,7 +354,9 @@ def summaries(usage: Iterable[Rollup], window: tuple[float, float], tiers) -> It
         yield statement(tenant, *window, rollups, tiers, account)
 
 
-def summary_chunks(usage: Iterable[Rollup], window: tuple[float, float], tiers) -> Iterator[str]:
+def summary_chunks(
+    usage: Iterable[Rollup], window: tuple[float, float], tiers: TierTable
+) -> Iterator[str]:
     """The summary export: a CSV row per tenant, header first."""
     rows = (summary_row(s) for s in summaries(usage, window, tiers))
     return csv_chunks(rows, SUMMARY_COLUMNS)

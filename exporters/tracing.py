@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvlease.engine.events import LeaseEvent, Preemption
 from kvlease.exporters.join import FINISH_REASONS, FinishedRequest, RequestJoin
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 ENABLE_ENV = "KVLEASE_OTEL"
 OPERATIONS = {
@@ -84,7 +87,7 @@ class SpanBuilder:
         span.end(end_time=max(end_ns, start_ns))
 
 
-def _span_event(event: Preemption | LeaseEvent) -> tuple[str, dict, int]:
+def _span_event(event: Preemption | LeaseEvent) -> tuple[str, dict[str, Any], int]:
     """(name, attributes, wall-clock ns) for an engine event stamped on the monotonic clock."""
     at_ns = time.time_ns() - int((time.monotonic() - event.at) * 1e9)
     if isinstance(event, Preemption):
@@ -103,7 +106,7 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").lower() in ("1", "true", "yes", "on")
 
 
-def install(join: RequestJoin) -> Any:
+def install(join: RequestJoin) -> TracerProvider | None:
     """Add span building to `join`, exporting over OTLP, when tracing is on.
 
     Returns kvlease's own TracerProvider (vLLM's stays untouched), to shut down at the
@@ -112,18 +115,23 @@ def install(join: RequestJoin) -> Any:
         return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
     protocol = os.environ.get(
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
         os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
     )
+    exporter: SpanExporter
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc
+
+        exporter = grpc.OTLPSpanExporter()
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.http import trace_exporter as http
+
+        exporter = http.OTLPSpanExporter()
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvlease")})
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     join.consumers.append(SpanBuilder(provider.get_tracer("kvlease")))
     return provider

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from datetime import datetime
+from typing import Any
 
 from kvlease.engine.tenancy import Prices
 from kvlease.exporters.billing import FORMULA_STARTS, RAW_COLUMNS
@@ -87,7 +88,7 @@ def read_records(lines: Iterable[str]) -> Iterator[tuple[int, UsageRecord | BadR
 
 
 def _rows(
-    reader: csv.DictReader, defaults: dict[str, str]
+    reader: csv.DictReader[str], defaults: dict[str, str]
 ) -> Iterator[tuple[int, UsageRecord | BadRow]]:
     seen: dict[str, int] = {}  # request id -> line, within the current batch of ids
     while True:
@@ -124,7 +125,7 @@ def parse_row(row: dict[str, str | None]) -> UsageRecord:
         raise BadRow("more cells than columns")
     if None in row.values():
         raise BadRow("fewer cells than columns")
-    cells = {k: _restore(v) if v[:1] == "'" else v for k, v in row.items()}
+    cells = {k: _restore(v) if v[:1] == "'" else v for k, v in row.items() if v is not None}
     text = "".join(cells.values())
     if not text.isascii() and _NOT_UTF8.search(text):
         # A file read with errors="surrogateescape" keeps bytes that are not UTF-8 as lone
@@ -145,6 +146,7 @@ def parse_row(row: dict[str, str | None]) -> UsageRecord:
         raise BadRow("ended_at is before started_at")
     if cells["outcome"] not in RECORD_OUTCOMES:
         raise BadRow(f"outcome {cells['outcome']!r} is not one of {', '.join(RECORD_OUTCOMES)}")
+    figures: dict[str, Any] = {name: _block_seconds(name, cells[name]) for name in BLOCK_SECONDS}
     return UsageRecord(
         request_id=cells["request_id"],
         tenant_id=cells["tenant_id"],
@@ -157,7 +159,7 @@ def parse_row(row: dict[str, str | None]) -> UsageRecord:
         partial=_flag(cells["partial"]),
         price_basis=_basis(cells["price_basis"]),
         **counts,
-        **{name: _block_seconds(name, cells[name]) for name in BLOCK_SECONDS},
+        **figures,
         recomputed_by=_causes(cells["recomputed_by"], counts["recomputed_tokens"]),
     )
 

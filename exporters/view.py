@@ -114,7 +114,7 @@ class EngineView:
             return None
         now = time.monotonic()
         whole = merge_states(list(engines.values()))
-        out = msgspec.to_builtins(whole)
+        out: dict[str, Any] = msgspec.to_builtins(whole)
         out["age_seconds"] = max(0.0, now - whole.at)
         out["channel_messages"] = self.messages
         out["engines"] = {str(rank): msgspec.to_builtins(state) for rank, state in engines.items()}

@@ -62,13 +62,13 @@ def to_record(p: FinishedRequest, tiers: TierTable | None = None) -> UsageRecord
     now = time.time()
     latency = p.e2e_latency
     started = entry.started_ns / 1e9 if entry is not None else now - (latency or 0.0)
-    tier = ctx.tier if ctx else done and done.tier
-    priced = tiers is not None and tier in tiers
+    who = ctx if ctx is not None else done  # the middleware's view, else the engine's
+    tier = who.tier if who is not None else None
     return UsageRecord(
         request_id=p.key,
-        tenant_id=(ctx.tenant_id if ctx else done and done.tenant_id) or UNCLASSIFIED,
+        tenant_id=(who.tenant_id if who is not None else None) or UNCLASSIFIED,
         tier=tier,
-        session_id=ctx.session_id if ctx else done and done.session_id,
+        session_id=who.session_id if who is not None else None,
         model=(entry.model if entry is not None else None) or "unknown",
         started_at=started,
         ended_at=started + latency if latency is not None else (p.ended_at or now),
@@ -80,10 +80,17 @@ def to_record(p: FinishedRequest, tiers: TierTable | None = None) -> UsageRecord
         kv_block_seconds=p.block_seconds,
         outcome=p.outcome,
         partial=p.partial,
-        price_basis=tiers[tier].prices.basis(tiers.currency) if priced else None,
+        price_basis=_price_basis(tiers, tier),
         lease_covered_tokens=p.lease_covered_tokens,
         recomputed_by=causes_text(p.recomputed_by),
     )
+
+
+def _price_basis(tiers: TierTable | None, tier: str | None) -> str | None:
+    """The tier's prices as they are now, as the record keeps them (None: not priced)."""
+    if tiers is None or tier is None or tier not in tiers:
+        return None
+    return tiers[tier].prices.basis(tiers.currency)
 
 
 def retention_record(e: Retention, tiers: TierTable | None = None) -> UsageRecord:
@@ -91,7 +98,6 @@ def retention_record(e: Retention, tiers: TierTable | None = None) -> UsageRecor
     retained block-seconds, keyed by the request whose end opened it, priced at its tier's
     prices now."""
     to_wall = time.time() - time.monotonic()  # the engine stamps the monotonic clock
-    priced = tiers is not None and e.tier in tiers
     return UsageRecord(
         request_id=retention_key(kvlease_id(e.request_id) or e.request_id),
         tenant_id=e.tenant_id,
@@ -107,7 +113,7 @@ def retention_record(e: Retention, tiers: TierTable | None = None) -> UsageRecor
         preemptions=0,
         kv_block_seconds=0.0,
         outcome=RETENTION,
-        price_basis=tiers[e.tier].prices.basis(tiers.currency) if priced else None,
+        price_basis=_price_basis(tiers, e.tier),
         kv_reserved_block_seconds=e.reserved_block_seconds,
         kv_retained_block_seconds=e.retained_block_seconds,
     )
@@ -135,7 +141,7 @@ class LedgerWriter:
         self.dead_letters = 0
         self.metrics = metrics or ProcessMetrics()  # the same counts, for /metrics
         self._queue: queue.Queue[UsageRecord | list[OpenRecord] | None] = queue.Queue()
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = {}
         self._committed_early: set[str] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvlease-ledger", daemon=True)
@@ -149,7 +155,7 @@ class LedgerWriter:
         if isinstance(event, Retention):
             self._queue.put(retention_record(event, self.tiers))
 
-    def expect(self, request_id: str) -> asyncio.Future:
+    def expect(self, request_id: str) -> asyncio.Future[bool]:
         """A future resolved when `request_id`'s record commits (call on the event loop)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -271,7 +277,7 @@ class LedgerWriter:
         self._thread.join(timeout)
 
 
-def _resolve(future: asyncio.Future) -> None:
+def _resolve(future: asyncio.Future[bool]) -> None:
     if not future.done():
         future.set_result(True)
 

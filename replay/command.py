@@ -119,7 +119,9 @@ def _tiers(path: str | None, flag: str) -> TierTable:
         raise ReplayInputError(f"{flag}: {exc}") from None
 
 
-def run(plan: Plan, jobs: int = 2, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+def run(
+    plan: Plan, jobs: int = 2, progress: Callable[[int], object] | None = None
+) -> dict[str, Any]:
     """Both sides (in `jobs` processes), and the report: the JSON `--json` writes."""
     from kvlease.replay.report import movers
 
@@ -191,6 +193,7 @@ def _side(side: Side, plan: Plan) -> dict[str, Any]:
         model,
         side.tiers_path,
         progress=_count,
-        **plan.limits,
+        max_num_seqs=plan.limits["max_num_seqs"],
+        max_num_batched_tokens=plan.limits["max_num_batched_tokens"],
     )
     return summarize(replay, tiers)

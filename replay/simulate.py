@@ -31,6 +31,7 @@ from kvlease.replay.clock import StepCost
 from kvlease.replay.sessions import Arrival, StepTrace
 from kvlease.replay.synthetic import (
     BLOCK,
+    Policy,
     counting_stock_scheduler,
     make_request,
     make_scheduler,
@@ -120,9 +121,9 @@ def simulate(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_stride: int = MAX_STRIDE,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], object] | None = None,
     settings: dict[str, Any] | None = None,
-    stock: str | None = None,
+    stock: Policy | None = None,
 ) -> Replay:
     """Replay `turns` under `tiers` (the table at `tiers_path`, or the one in force) on a
     pool of `pool_blocks` KV blocks, with kvlease `settings` (kvlease.engine.settings keys), or on
@@ -164,7 +165,9 @@ def simulate(
                 scheduler, arrival, tiers, steps, clock.now, priority.get(arrival.turn.tier, 0)
             )
         if not scheduler.has_requests():
-            clock.now = max(clock.now, trace.next_step() / ticks)  # idle: the next arrival
+            due = trace.next_step()
+            assert due is not None  # not done and nothing in the engine: an arrival is due
+            clock.now = max(clock.now, due / ticks)  # idle: the next arrival
             continue
         out = scheduler.schedule()
         prefill, decoding = _shape(scheduler, out, last_stride)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from vllm import SamplingParams
@@ -28,6 +28,7 @@ from kvlease.engine.tenancy import TierTable
 
 BLOCK = 32
 _ids = itertools.count()
+Policy = Literal["fcfs", "priority"]  # vLLM's --scheduling-policy
 
 
 def make_scheduler(
@@ -39,7 +40,7 @@ def make_scheduler(
     kvlease: dict | None = None,
     async_scheduling: bool = False,
     max_model_len: int | None = None,
-    policy: str = "fcfs",
+    policy: Policy = "fcfs",
 ) -> Any:
     if max_model_len is None:  # the longest request the lease caps allow (the model: 4,096)
         tiers = TierTable.load((kvlease or {}).get("tiers"))

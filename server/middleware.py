@@ -52,7 +52,7 @@ from kvlease.engine.budgets import Verdict, estimate
 from kvlease.engine.labels import TenantLabels
 from kvlease.engine.tenancy import TenantContext, TierTable
 from kvlease.exporters.join import InFlight, new_request_id
-from kvlease.exporters.ledger import records
+from kvlease.exporters.ledger import MODEL_LENGTH
 from kvlease.exporters.metrics import multiprocess
 from kvlease.exporters.periods import period
 from kvlease.exporters.spend import Hold
@@ -293,9 +293,6 @@ def makes_engine_requests(path: str) -> bool:
     return path not in ENGINE_FREE_PATHS and not path.startswith(f"{RESPONSES_PATH}/")
 
 
-MODEL_NAME_MAX = records.c.model.type.length  # what the usage ledger stores
-
-
 def refused_fields(doc: dict[str, Any]) -> str | None:
     """Why vLLM may not run this body for a tenant, or None.
 
@@ -305,8 +302,8 @@ def refused_fields(doc: dict[str, Any]) -> str | None:
     if _lax(bool, doc.get("use_beam_search", False)) is True:
         return "beam search (use_beam_search) is not served by kvlease"
     model = doc.get("model")
-    if isinstance(model, str) and len(model) > MODEL_NAME_MAX:
-        return f"'model' is longer than {MODEL_NAME_MAX} characters"  # no ledger takes it
+    if isinstance(model, str) and len(model) > MODEL_LENGTH:
+        return f"'model' is longer than {MODEL_LENGTH} characters"  # no ledger takes it
     return None
 
 
@@ -400,19 +397,19 @@ class TenantMiddleware:
         return ctx
 
     async def _tenant_request(
-        self, scope: Scope, receive: Receive, send: Send, ctx: TenantContext
+        self, scope: Scope, receive: Receive, send: Send, token_ctx: TenantContext
     ) -> None:
         """Count it against the tier's limit (before its body is read, so a slow body
         cannot slip past the limit), give it an id, rewrite its body, and follow its
         response: the usage record committed before the last byte."""
-        if self._someone_elses_response(scope["path"], ctx):
+        if self._someone_elses_response(scope["path"], token_ctx):
             await send_error(send, 404, "no such response", "not_found")
             return
         if scope["path"] in REFUSED_PATHS:
             msg = f"{scope['path']} is not served by kvlease: its requests cannot be billed"
             await send_error(send, 404, msg, "not_supported")
             return
-        ctx = await self._session(scope, send, ctx)
+        ctx = await self._session(scope, send, token_ctx)
         if ctx is None:
             return  # already answered with an error
         budget = TELEMETRY.budgets.verdict(ctx.tenant_id) if TELEMETRY.budgets else None
@@ -508,9 +505,9 @@ class TenantMiddleware:
         try:
             await self.app(scope, receive, response.send)
         finally:
-            if hold is not None:
+            if hold is not None and TELEMETRY.budgets is not None:
                 TELEMETRY.budgets.release(hold)
-            if record is not None:
+            if record is not None and writer is not None:
                 writer.forget(request_id)
             if engine and not response.ended:
                 join.request_ended(request_id, entry)  # ended early: the engine half alone
@@ -613,6 +610,7 @@ class TenantMiddleware:
         tenant's budget; None after a 429 when a `block` budget cannot take it."""
         prices = self.config.tiers[ctx.tier].prices
         amount = estimate(size, doc, choices, prices.input_per_1k, prices.output_per_1k)
+        assert TELEMETRY.budgets is not None  # the caller checked
         hold = TELEMETRY.budgets.hold(ctx.tenant_id, amount)
         if hold is None:
             await send_error(
@@ -714,7 +712,7 @@ class _Response:
                 if self.engine:
                     # Every engine request has produced its output: the join may count them.
                     TELEMETRY.join.request_ended(self.request_id, self.entry)
-                if self.hold:
+                if self.hold and self.record is not None:
                     await _until_committed(self.record, self.request_id)
                 self.ended = True
         await self._send(message)

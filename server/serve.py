@@ -34,10 +34,11 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TypeVarTuple, Unpack
 
 from kvlease.engine.auth import KEYS_ENV
 from kvlease.engine.budgets import BUDGETS_ENV, BudgetConfigError, BudgetTable
@@ -61,6 +62,8 @@ from kvlease.server.middleware import (
     ServerConfig,
     error_body,
 )
+
+Ts = TypeVarTuple("Ts")  # a signal callback's arguments
 
 SCHEDULER = "kvlease.engine.vllm_scheduler.TenantAwareScheduler"
 MIDDLEWARE = "kvlease.server.middleware.TenantMiddleware"
@@ -314,10 +317,12 @@ def _draining_loop() -> type:
     from kvlease.server.middleware import DRAINING
 
     class Loop(uvloop.Loop):
-        def add_signal_handler(self, sig: int, callback, *args) -> None:
+        def add_signal_handler(
+            self, sig: int, callback: Callable[[Unpack[Ts]], object], *args: *Ts
+        ) -> None:
             if sig in (signal.SIGTERM, signal.SIGINT):
 
-                def draining(*given) -> None:
+                def draining(*given: *Ts) -> None:
                     DRAINING.set()
                     callback(*given)
 
