@@ -12,9 +12,9 @@ that folder. The child is bounded: `CHILD_CPU_SECONDS` of CPU (the kernel ends i
 that) and `CHILD_MAX_RSS_BYTES` of memory (checked on every poll). A job is stopped
 (its child ended, its folder removed) when it is replaced, when its browser session
 has not polled it for `ORPHAN_SECONDS` (the session closed: `reap`), and when the
-dashboard exits; a folder a killed dashboard left (its owner process gone) is removed,
-and its child ended, when the next dashboard starts (`sweep_stale`). Folders live in
-the system's temporary directory as `kvlease-whatif-*`.
+dashboard exits. Folders are `kvlease-whatif-*` in the temporary directory, which under
+`kvlease dashboard` is its run folder: a killed dashboard's folders and replays are
+removed with it (kvlease.engine.processes).
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ from kvlease.exporters.ledger import DB_ENV
 MAX_INPUT_BYTES = 256 * 2**20
 ORPHAN_SECONDS = 30.0  # a job its page has not polled for this long is stopped
 FOLDER_PREFIX = "kvlease-whatif-"
-OWNER_FILE = "owner.pid"  # the dashboard process that made the folder
-CHILD_FILE = "child.pid"
 CHILD_CPU_SECONDS = 3600
 CHILD_MAX_RSS_BYTES = 6 * 2**30
 SIDES = ("current", "proposed")
@@ -108,9 +106,7 @@ _JOBS_LOCK = threading.Lock()
 
 
 def _new_folder() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
-    (folder / OWNER_FILE).write_text(str(os.getpid()))
-    return folder
+    return Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
 
 
 @dataclass(eq=False)
@@ -162,7 +158,6 @@ class ReplayJob:
                 preexec_fn=_bound_child,
                 start_new_session=True,  # its own group: stop() ends its workers too
             )
-        (self.folder / CHILD_FILE).write_text(str(self.process.pid))
         return self
 
     def poll(self) -> tuple[str, Any]:
@@ -262,49 +257,6 @@ def _start_reaper() -> None:
 
         _reaper = threading.Thread(target=loop, name="kvlease-whatif-reaper", daemon=True)
         _reaper.start()
-
-
-def sweep_stale(root: str | None = None) -> int:
-    """Remove the `kvlease-whatif-*` folders whose dashboard process is gone (killed, so
-    no exit handler ran), ending their replay child first; how many were removed. A
-    folder without an owner file is left alone: another dashboard may be using it."""
-    removed = 0
-    for folder in Path(root or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
-        owner = _pid(folder / OWNER_FILE)
-        if owner is None or _alive(owner):
-            continue  # its dashboard runs, or nothing says whose it is (an older kvlease's)
-        child = _pid(folder / CHILD_FILE)
-        if child is not None and _alive(child) and _is_replay(child):
-            _signal_group(child, signal.SIGKILL)
-        shutil.rmtree(folder, ignore_errors=True)
-        removed += 1
-    return removed
-
-
-def _pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _is_replay(pid: int) -> bool:
-    """The pid is still a `kvlease replay` (not a process that reused the number)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"replay" in cmdline and b"kvlease" in cmdline
 
 
 def replay_argv(

@@ -7,8 +7,10 @@ machine, fast or slow), Prometheus (when Debian's is installed) with the
 bundled alert rules, and the dashboard; then plays a seeded multi-tenant chat
 workload (demo/workload.py) through the stock `openai` client, one closed-loop
 stream per tenant (demo/client.py), showing a live line, until `--duration`,
-`--requests` or Ctrl-C. Everything it started is stopped
-(the server drains, so the ledger has every record), and a summary is printed.
+`--requests` or Ctrl-C. Everything it started is stopped (the server drains, so the
+ledger has every record), a summary is printed, and the status is 0, or 128 + N when
+signal N (SIGINT, SIGTERM) stopped it. Each child runs in its own session and is told to
+stop by the kernel if the demo is killed (kvlease.engine.processes).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvlease.demo.client import LoadStats, play
 from kvlease.demo.prometheus import write_config
 from kvlease.demo.workload import TIERS, WorkloadSpec, stream_sessions, tenant_names
+from kvlease.engine import processes
 from kvlease.engine.auth import HS256_KEY_ENV, KeyRing, mint_token
 from kvlease.engine.paths import kvlease_home
 from kvlease.engine.tenancy import TierTable
@@ -89,10 +92,17 @@ class Demo:
         return self.run / "usage.db"
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        """Its own process group, so Ctrl-C reaches only the demo, which stops it in order."""
+        """Its own process group, so Ctrl-C reaches only the demo, which stops it in order;
+        told to stop (SIGTERM) by the kernel if the demo dies first."""
         log = (self.run / f"{name}.log").open("w")
+        demo = os.getpid()
         proc = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: processes.die_with_parent(demo),
         )
         self.procs[name] = proc
         return proc
@@ -143,44 +153,35 @@ def run_demo(
     secret = secrets.token_urlsafe(48)  # this run only: in memory and the children's env
     keyring = KeyRing.from_secret(secret)
     env = server_environment(secret)
-    _interrupt_on_signals()
-    stats: LoadStats | None = None  # what the clients saw: kept when Ctrl-C stops them
-    try:
-        model = resolve_model(model)
-        if not start_server(demo, model, tiers, tiers_path, env):
-            return 1
-        prom_url = _start_prometheus(demo, prometheus_port, env)
-        admin = session_token(keyring, tiers, "demo-admin", "premium", roles=("admin", "finance"))
-        dash_url = (
-            _start_dashboard(demo, dashboard_port, prom_url, admin, env) if dashboard else None
-        )
-        _banner(demo, keyring, tiers, dash_url, prom_url)
-        stats = LoadStats()
-        _drive(demo, spec, keyring, tiers, duration, requests, stats)
-    except KeyboardInterrupt:
-        print("\ninterrupted", flush=True)
-    finally:
-        final = _scrape(demo)
-        print("stopping: dashboard, Prometheus, then the server (it drains) ...", flush=True)
+    with processes.interrupt_on_signals() as stopped_by:
+        stats: LoadStats | None = None  # what the clients saw: kept when Ctrl-C stops them
         try:
-            demo.stop_all()
-        except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
-            for proc in demo.procs.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-    _summary(demo, spec, tiers, stats, final, started)
-    return 0
-
-
-def _interrupt_on_signals() -> None:
-    """Ctrl-C and SIGTERM both take the orderly way out (stop everything, then the
-    summary), also when started from a shell that ignores SIGINT for background jobs."""
-
-    def interrupt(signum, frame) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, interrupt)
+            model = resolve_model(model)
+            if not start_server(demo, model, tiers, tiers_path, env):
+                return 1
+            prom_url = _start_prometheus(demo, prometheus_port, env)
+            admin = session_token(
+                keyring, tiers, "demo-admin", "premium", roles=("admin", "finance")
+            )
+            dash_url = (
+                _start_dashboard(demo, dashboard_port, prom_url, admin, env) if dashboard else None
+            )
+            _banner(demo, keyring, tiers, dash_url, prom_url)
+            stats = LoadStats()
+            _drive(demo, spec, keyring, tiers, duration, requests, stats)
+        except KeyboardInterrupt:
+            print("\ninterrupted", flush=True)
+        finally:
+            final = _scrape(demo)
+            print("stopping: dashboard, Prometheus, then the server (it drains) ...", flush=True)
+            try:
+                demo.stop_all()
+            except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
+                for proc in demo.procs.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+        _summary(demo, spec, tiers, stats, final, started)
+        return 128 + stopped_by[0] if stopped_by else 0
 
 
 def session_token(keyring, tiers, tenant: str, tier: str, session=None, roles=()) -> str:

@@ -15,12 +15,12 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvlease.demo.workload import Turn
+from kvlease.engine.processes import die_with_parent
 from kvlease.engine.tenancy import TierTable
 from kvlease.replay.clock import CPU_DEMO, StepCost
 from kvlease.replay.traffic import ReplayInputError
@@ -127,21 +127,20 @@ def run(
 
     spawn = multiprocessing.get_context("spawn")  # vLLM's rule: never fork after it loads
     done = spawn.Value("q", 0)
-    results: dict[str, dict] = {}
-    with ProcessPoolExecutor(
-        max_workers=jobs, mp_context=spawn, initializer=_share, initargs=(done,)
-    ) as workers:
-        futures = {s.name: workers.submit(_side, s, plan) for s in plan.sides}
+    # A pool, not an executor: leaving the block for any reason (a KeyboardInterrupt:
+    # `kvlease replay` makes SIGTERM one too) terminates the workers at once, and each is
+    # told to stop by the kernel if this process is killed.
+    with spawn.Pool(jobs, initializer=_start_worker, initargs=(done, os.getpid())) as workers:
+        pending = {s.name: workers.apply_async(_side, (s, plan)) for s in plan.sides}
         shown, finished = 0, False
         while not finished:
-            finished = all(f.done() for f in futures.values())  # before the last count
+            finished = all(r.ready() for r in pending.values())  # before the last count
             if progress is not None and done.value > shown:
                 progress(done.value - shown)
                 shown = done.value
             if not finished:
                 time.sleep(0.2)
-        for name, future in futures.items():
-            results[name] = future.result()
+        results: dict[str, dict[str, Any]] = {name: r.get() for name, r in pending.items()}
     current, proposed = results["current"], results["proposed"]
     return {
         "current": current,
@@ -159,9 +158,10 @@ def run(
 _done: Any = None  # the count of replayed requests, shared with the parent
 
 
-def _share(done: Any) -> None:
+def _start_worker(done: Any, parent: int) -> None:
     global _done
     _done = done
+    die_with_parent(parent)
 
 
 def _count(n: int) -> None:

@@ -7,10 +7,12 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvlease.engine import processes
 from kvlease.engine.auth import AuthSettings, KeyConfigError, KeyRing, mint_token
 from kvlease.engine.runtime import DependencyError, VllmVersionError
 from kvlease.engine.tenancy import TierConfigError, TierTable
@@ -382,13 +384,18 @@ def _replay(args: argparse.Namespace) -> int:
     total = sum(len(side.turns) for side in plan.sides)
     for note in plan.notes:
         print(f"kvlease replay: {note}", file=sys.stderr)
-    if args.quiet:
-        report = command.run(plan)
-    else:
-        from tqdm import tqdm
+    with processes.interrupt_on_signals() as received:
+        try:
+            if args.quiet:
+                report = command.run(plan)
+            else:
+                from tqdm import tqdm
 
-        with tqdm(total=total, unit="req", desc="replay", file=sys.stderr) as bar:
-            report = command.run(plan, progress=bar.update)
+                with tqdm(total=total, unit="req", desc="replay", file=sys.stderr) as bar:
+                    report = command.run(plan, progress=bar.update)
+        except KeyboardInterrupt:  # the workers are ended by now (command.run)
+            print("kvlease replay: stopped, nothing written", file=sys.stderr)
+            return 128 + (received[0] if received else signal.SIGINT)
     for path, text in (
         (args.json, lambda: json.dumps(report, indent=2) + "\n"),
         (args.output, lambda: render.page(report)),

@@ -40,6 +40,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TypeVarTuple, Unpack
 
+from kvlease.engine import processes
 from kvlease.engine.auth import KEYS_ENV
 from kvlease.engine.budgets import BUDGETS_ENV, BudgetConfigError, BudgetTable
 from kvlease.engine.labels import HASH_ENV as HASH_LABELS_ENV
@@ -65,6 +66,8 @@ from kvlease.server.middleware import (
 
 Ts = TypeVarTuple("Ts")  # a signal callback's arguments
 
+DRAIN_SECONDS = 30  # vLLM's --shutdown-timeout unless given: in-flight requests finish
+TEARDOWN_SECONDS = 20  # then the engines and their processes end, or are killed
 SCHEDULER = "kvlease.engine.vllm_scheduler.TenantAwareScheduler"
 MIDDLEWARE = "kvlease.server.middleware.TenantMiddleware"
 ADMIN_PLUGIN = "kvlease_admin"
@@ -150,7 +153,7 @@ def vllm_argv(args: argparse.Namespace, rest: list[str], model: str, demo: bool)
     if not _has("--enable-prompt-tokens-details", rest):
         argv.append("--enable-prompt-tokens-details")
     if not _has("--shutdown-timeout", rest):
-        argv += ["--shutdown-timeout", "30"]
+        argv += ["--shutdown-timeout", str(DRAIN_SECONDS)]
     if demo:
         if not _has("--served-model-name", rest):
             argv += ["--served-model-name", "kvlease-demo"]
@@ -212,6 +215,8 @@ def run_serve(argv: Sequence[str]) -> int:
             print(f"  {f.flag:22} {f.help}")
         print("every other flag is vLLM's: python -m vllm.entrypoints.openai.api_server --help")
         return 0
+    if not processes.supervised("serve"):
+        return _supervise(argv, rest)
     from kvlease.exporters.ledger import LedgerError
 
     try:
@@ -230,6 +235,27 @@ def run_serve(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _supervise(argv: Sequence[str], rest: list[str]) -> int:
+    """This command as the server's supervisor (kvlease.engine.processes): the server and
+    every process vLLM starts end with it, its sockets and temporary files with them."""
+    for folder in processes.sweep():
+        print(f"kvlease serve: removed {folder}, left by a killed kvlease", file=sys.stderr)
+    drain = float(_value("--shutdown-timeout", rest) or DRAIN_SECONDS)
+    command = [sys.executable, "-m", "kvlease", "serve", *argv]
+    return processes.supervise(command, dict(os.environ), "serve", drain + TEARDOWN_SECONDS)
+
+
+def _value(flag: str, argv: Sequence[str]) -> str | None:
+    """The last value `flag` is given in `argv` (as `--flag V` or `--flag=V`)."""
+    found = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif a.startswith(flag + "="):
+            found = a.split("=", 1)[1]
+    return found
 
 
 def _configure(args: argparse.Namespace, rest: list[str]) -> tuple[argparse.Namespace, int]:

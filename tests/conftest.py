@@ -5,9 +5,12 @@ Keys are generated per test session; no key material is stored in the repo.
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
+import shutil
 import signal
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,6 +31,12 @@ if os.environ.get("KVLEASE_VLLM_NEXT"):
     if vllm.__version__ != os.environ["KVLEASE_VLLM_NEXT"]:
         raise RuntimeError(f"expected vLLM {os.environ['KVLEASE_VLLM_NEXT']} on PYTHONPATH")
     vllm.platforms._current_platform = CpuPlatform()
+
+# vLLM's in-process engines put their ZMQ sockets here, not loose in /tmp (a killed
+# engine leaves its sockets); removed when the session ends.
+_VLLM_SOCKETS = tempfile.mkdtemp(prefix="kvlease-tests-vllm-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_SOCKETS)
+atexit.register(shutil.rmtree, _VLLM_SOCKETS, True)
 
 # Property tests check behaviour, never speed: no per-example deadline and no
 # "input generation is slow" failure when the machine is busy (as CI's two cores are).

@@ -8,14 +8,17 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import procs
 from waiting import until, wait
 
 from bench.postgres import free_port
 from kvlease.demo.prometheus import config_text
+from kvlease.engine import processes
 from kvlease.engine.auth import KeyRing, mint_token
 from kvlease.engine.tenancy import TierTable
 
@@ -58,11 +61,33 @@ class Server:
         r.raise_for_status()
         return r.json()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
-        """Signal the server; SIGKILL takes its whole process group (engine, workers) too."""
-        if sig == signal.SIGKILL:
+    def folder(self) -> Path | None:
+        """The run folder of `kvlease serve` (kvlease.engine.processes); None for a server
+        that keeps none (plain vLLM) or has removed it."""
+        return run_folder(self.proc.pid, "serve")
+
+    def tree(self) -> list[int]:
+        """Every process of the server: its supervisor and what that started."""
+        folder = self.folder()
+        return [self.proc.pid, *(processes.members(folder) if folder else [])]
+
+    def api_pid(self) -> int:
+        """The API server process: the supervised child of `kvlease serve`."""
+        [child] = [p for p in self.tree() if procs.parent_of(p) == self.proc.pid]
+        return child
+
+    def crash(self) -> None:
+        """Every process of the server killed at once, as a machine crash would."""
+        for pid in self.tree():
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
+        """Signal the server; SIGKILL takes every process of it at once (`crash`)."""
+        if sig == signal.SIGKILL:
+            self.crash()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -74,11 +99,26 @@ class Server:
         return self.proc.returncode
 
 
+def run_folder(owner: int, command: str) -> Path | None:
+    """The run folder `owner` (a supervising kvlease command) keeps for `command`."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{processes.FOLDER_PREFIX}{command}-*"):
+        with contextlib.suppress(OSError, ValueError):
+            if int((folder / processes.OWNER_FILE).read_text()) == owner:
+                return folder
+    return None
+
+
 def start(
-    command: list[str], home: Path, log: Path, extra_env: dict | None = None, timeout: float = 300
+    command: list[str],
+    home: Path,
+    log: Path,
+    extra_env: dict | None = None,
+    timeout: float = 300,
+    port: int | None = None,
 ) -> Server:
-    """Start a server and wait until /health answers 200, recording what it said before."""
-    port = free_port()
+    """Start a server (on `port`, else a free one) and wait until /health answers 200,
+    recording what it said before."""
+    port = port or free_port()
     secret = secrets.token_urlsafe(48)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
     env.update(
@@ -116,9 +156,12 @@ def start(
     raise TimeoutError(f"server did not become healthy; log:\n{log.read_text()[-4000:]}")
 
 
-def kvlease_serve(home: Path, log: Path, *args: str) -> Server:
+def kvlease_serve(home: Path, log: Path, *args: str, port: int | None = None) -> Server:
     return start(
-        [sys.executable, "-m", "kvlease", "serve", "--num-blocks", "256", *args], home, log
+        [sys.executable, "-m", "kvlease", "serve", "--num-blocks", "256", *args],
+        home,
+        log,
+        port=port,
     )
 
 

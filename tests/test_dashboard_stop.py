@@ -1,60 +1,40 @@
 """`kvlease dashboard` stops with everything it started: SIGTERM and SIGINT reach its
-Streamlit, which ends; the status says which signal; the port is free again. Killed
-with SIGKILL, its Streamlit is told to stop by the kernel (parent-death signal), and the
-next start on the same port succeeds."""
+Streamlit, which ends; the status says which signal; the port is free again and its run
+folder gone. Killed with SIGKILL, its Streamlit is told to stop by the kernel
+(parent-death signal), and the next start on the same port succeeds and removes the run
+folder the killed one left."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import procs
 import pytest
 from servers import free_port
 from waiting import until
 
+from kvlease.engine import processes
+
 HANG = 120  # seconds: a hang, not a slow machine
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    out.append(int(entry.name))
-    return out
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _run_folders(root: Path) -> list[Path]:
+    return list(root.glob(f"{processes.FOLDER_PREFIX}dashboard-*"))
 
 
 def _start(port: int, log: Path) -> tuple[subprocess.Popen, int]:
-    """`kvlease dashboard` on `port`, up (Streamlit answers its health check); its
-    Streamlit's pid."""
+    """`kvlease dashboard` on `port`, its temporary directory the log's folder, up
+    (Streamlit answers its health check); its Streamlit's pid."""
     argv = [sys.executable, "-m", "kvlease", "dashboard", "--port", str(port)]
     argv += ["--engine", f"http://127.0.0.1:{free_port()}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLEASE_DASHBOARD")}
+    env["TMPDIR"] = str(log.parent)
     proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
     def up() -> bool:
@@ -64,7 +44,7 @@ def _start(port: int, log: Path) -> tuple[subprocess.Popen, int]:
         return False
 
     until(up, "the dashboard to answer its health check")
-    [streamlit] = _children(proc.pid)
+    [streamlit] = procs.children(proc.pid)
     return proc, streamlit
 
 
@@ -72,19 +52,24 @@ def _start(port: int, log: Path) -> tuple[subprocess.Popen, int]:
 def test_a_signal_stops_the_dashboard_and_its_streamlit(sig, tmp_path):
     port = free_port()
     proc, streamlit = _start(port, tmp_path / "dashboard.log")
+    [folder] = _run_folders(tmp_path)
     proc.send_signal(sig)
     assert proc.wait(timeout=HANG) == 128 + sig
-    until(lambda: _gone(streamlit), "Streamlit to end")
-    until(lambda: _port_free(port), "the port to be free")
+    assert not procs.running([streamlit]) and not folder.exists()  # it waited for its tree
+    until(lambda: procs.port_free(port), "the port to be free")
 
 
 def test_a_killed_dashboard_takes_its_streamlit_along_and_starts_again(tmp_path):
     port = free_port()
     proc, streamlit = _start(port, tmp_path / "first.log")
+    [left] = _run_folders(tmp_path)
     proc.kill()
     proc.wait()
-    until(lambda: _gone(streamlit), "Streamlit to end after its parent was killed")
-    until(lambda: _port_free(port), "the port to be free")
+    until(lambda: not procs.running([streamlit]), "Streamlit to end after its parent was killed")
+    until(lambda: procs.port_free(port), "the port to be free")
+    assert left.exists()  # nobody removed it
     again, _ = _start(port, tmp_path / "second.log")
+    assert f"removed {left}" in (tmp_path / "second.log").read_text()
+    assert not left.exists()
     again.send_signal(signal.SIGTERM)
     assert again.wait(timeout=HANG) == 128 + signal.SIGTERM

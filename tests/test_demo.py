@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port
 from waiting import until, wait
 
+from kvlease.engine import processes
 from kvlease.exporters.ledger import UsageLedger
 
 pytestmark = pytest.mark.engine
@@ -161,29 +163,54 @@ def _starting(url: str) -> bool:
         return False
 
 
-def test_ctrl_c_while_the_engine_starts_stops_everything_and_says_it_never_served(tmp_path):
-    """SIGINT while vLLM is still starting (the placeholder answers 503): the orderly way
-    out, whatever the shell did to SIGINT, a summary that says the engine never served,
-    and no EngineCore left behind. (The run above covers stopping under traffic.)"""
+def _run_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob(f"{processes.FOLDER_PREFIX}*"))
+
+
+def _start_demo(home: Path) -> tuple[subprocess.Popen, Path]:
+    """`kvlease demo` with its own KVLEASE_HOME, returned while vLLM is still starting (the
+    server's placeholder answers 503)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
-    env["KVLEASE_HOME"] = str(tmp_path)
-    log = tmp_path / "demo.out"
+    env["KVLEASE_HOME"] = str(home)
+    log = home / "demo.out"
     port = free_port()
     argv = [sys.executable, "-m", "kvlease", "demo", "--no-dashboard"]
     argv += ["--port", str(port), "--prometheus-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
-        def starting() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            return _starting(f"http://127.0.0.1:{port}")
+    def starting() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        return _starting(f"http://127.0.0.1:{port}")
 
-        until(starting, "the server's placeholder answers 503", 900, 0.5)
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(120)
+    until(starting, "the server's placeholder answers 503", 900, 0.5)
+    return proc, log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_engine_starts_stops_everything_and_says_it_never_served(sig, tmp_path):
+    """SIGINT (Ctrl-C) or SIGTERM while vLLM is still starting: the orderly way out,
+    whatever the shell did to SIGINT, a summary that says the engine never served, a
+    status that names the signal, and no process left behind, not even vLLM's resource
+    tracker. (The run above covers stopping under traffic.)"""
+    folders = _run_folders()
+    proc, log = _start_demo(tmp_path)
+    assert _run_folders() - folders  # the server's, holding its sockets
+    proc.send_signal(sig)
+    code = proc.wait(300)
     output = log.read_text()
-    assert code == 0, output[-3000:]
+    assert code == 128 + sig, output[-3000:]
     assert "interrupted" in output and "kvlease demo summary" in output
     assert "the engine never served" in output
-    wait(lambda: not _processes_of(tmp_path), 10, interval=0.5)
-    assert _processes_of(tmp_path) == []
+    until(lambda: not _processes_of(tmp_path), "the demo's processes to be reaped", 30, 0.1)
+    assert _run_folders() <= folders
+
+
+def test_a_killed_demos_children_stop_by_themselves(tmp_path):
+    """SIGKILL: the demo stops nothing, the kernel tells its children to (parent-death
+    signal), and the server they include stops its engine too; the server's run folder is
+    what is left, for the next start's sweep."""
+    proc, _ = _start_demo(tmp_path)
+    proc.kill()
+    proc.wait()
+    until(lambda: not _processes_of(tmp_path), "the killed demo's children to end", 300, 0.5)

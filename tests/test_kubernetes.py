@@ -19,10 +19,11 @@ import pytest
 import yaml
 
 from kvlease.engine.budgets import BudgetTable
+from kvlease.engine.processes import LINGER
 from kvlease.engine.tenancy import TierTable
 from kvlease.grafana.build import ALERTS_FILE, render_kubernetes
 from kvlease.server.middleware import SESSION_HEADER
-from kvlease.server.serve import _kvlease_args
+from kvlease.server.serve import DRAIN_SECONDS, TEARDOWN_SECONDS, _kvlease_args, _value
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "deploy" / "kubernetes"
@@ -137,6 +138,15 @@ def test_replicas_ask_for_a_gpu_and_take_keys_and_the_ledger_from_secrets(manife
     assert args.jwt_keys.startswith("/etc/kvlease/keys/") and args.tiers and args.budgets
     assert "--data-parallel-size=1" in rest  # vLLM's, passed through
     assert not any("SECRET" in e["name"] and "value" in e for e in container["env"])
+
+
+def test_the_grace_period_covers_the_drain_and_the_teardown(manifests):
+    """Kubernetes sends SIGKILL after terminationGracePeriodSeconds: it must not cut the
+    drain (`--shutdown-timeout`) or the engines' teardown after it short."""
+    pod = _one(manifests, "Deployment", "kvlease")["spec"]["template"]["spec"]
+    _, rest = _kvlease_args(pod["containers"][0]["args"][1:])
+    drain = float(_value("--shutdown-timeout", rest) or DRAIN_SECONDS)
+    assert pod["terminationGracePeriodSeconds"] >= drain + TEARDOWN_SECONDS + LINGER
 
 
 def test_the_config_maps_hold_a_valid_tier_table_and_budget_file(manifests, tmp_path):

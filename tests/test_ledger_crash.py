@@ -133,7 +133,7 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
         # stream has streamed text: none can reach its 4,000th token unless this machine
         # stalls for seconds inside a slice (and then the stream counts as finished, below).
         # The kill comes once the server has journaled all it sent.
-        frozen = _engine_processes(server.proc.pid)
+        frozen = _engine_processes(server.api_pid())
         _signal(frozen, signal.SIGSTOP)
         streams = [Stream(server, f"stream-{n}") for n in range(3)]
         until(lambda: all(s.request_id for s in streams), "the streams start")
@@ -150,7 +150,7 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
             return all(s.done or rows.get(s.request_id) == s.texts for s in streams)
 
         until(journaled, "the server journals every text it sent")
-        os.killpg(server.proc.pid, signal.SIGKILL)  # the API server, engine and workers at once
+        server.crash()  # the supervisor, API server, engine and workers at once
         server.proc.wait(30)
     finally:  # a failure before the kill must not leave a server (frozen engine) behind
         server.stop(signal.SIGKILL)

@@ -9,12 +9,17 @@ step-clock times, and `kvlease replay` replays that ledger with the same step cl
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+import procs
 import pytest
 from engines import POOL_BLOCKS, settle
 from records import NOV, rec
+from waiting import until
 
 from bench.inprocess import Engine
 from bench.policy import play
@@ -259,3 +264,27 @@ def test_stock_vllm_replays_the_same_requests_and_kvlease_bills_its_retention(de
     assert all(s.reserved_seconds == s.retained_seconds == 0 for s in runs["priority"].served)
     figures = summarize(runs["kvlease"], tiers)["tiers"]
     assert figures["premium"]["kv_retention_hours"] > 0 == figures["free"]["kv_retention_hours"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_stopped_replay_ends_its_workers_and_says_how_it_ended(sig, tmp_path, demo_model):
+    """What the What if page stops (and a terminal's Ctrl-C): SIGTERM and SIGINT end the
+    replay's worker processes and exit 128 + N, writing no report; killed, its workers
+    are told to stop by the kernel."""
+    trace = tmp_path / "trace.csv"
+    save_trace(generate(replace(SPEC, duration=3600.0)), trace)  # far longer than the test
+    report = tmp_path / "report.json"
+    argv = [sys.executable, "-m", "kvlease", "replay", "--trace", str(trace), "--quiet"]
+    proc = subprocess.Popen([*argv, "--model", demo_model, "--json", str(report)])
+
+    def two_workers() -> bool:
+        assert proc.poll() is None, f"the replay ended first: {proc.returncode}"
+        return len(procs.children(proc.pid, b"spawn_main")) == 2
+
+    until(two_workers, "the replay's two workers", 300, 0.1)
+    workers = procs.children(proc.pid, b"spawn_main")
+    proc.send_signal(sig)
+    code = proc.wait(120)
+    assert code == (-sig if sig == signal.SIGKILL else 128 + sig)
+    until(lambda: not procs.running(workers), "the replay's workers to end", 120, 0.1)
+    assert not report.exists()

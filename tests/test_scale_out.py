@@ -19,6 +19,7 @@ from functools import partial
 
 import httpx
 import openai
+import procs
 import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +27,7 @@ from servers import kvlease_serve, prometheus
 from waiting import until
 
 from kvlease.dashboard.data import PrometheusSource
+from kvlease.engine import processes
 from kvlease.engine.affinity import session_rank
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters.metrics import BUDGET_USED, REQUESTS, TOKENS
@@ -316,3 +318,20 @@ def _plus(*figures: dict) -> dict:
 
 def _vector(result: list[dict]) -> dict[tuple, float]:
     return {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in result}
+
+
+def test_killed_mid_drain_the_data_parallel_server_still_ends_every_process(fleet):
+    """Last in this module: it stops replica A. SIGTERM, then SIGKILL once the drain has
+    begun (a supervisor out of patience): the API processes, both engine cores and the
+    data-parallel coordinator end all the same (kvlease.engine.processes), and a sweep,
+    as the next start runs, removes the run folder it left."""
+    a = fleet[0]
+    folder, tree = a.folder(), a.tree()
+    names = " | ".join(procs.cmdline(p) for p in tree)
+    assert "DPCoordinator" in names and names.count("EngineCore") == 2, names
+    a.proc.send_signal(signal.SIGTERM)
+    until(lambda: "[shutdown]" in a.log.read_text(), "the drain to begin", 120, 0.1)
+    a.proc.kill()
+    a.proc.wait()
+    until(lambda: not procs.running(tree), "every process of the killed server to end", 180)
+    assert folder is not None and folder in processes.sweep()

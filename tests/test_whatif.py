@@ -4,8 +4,6 @@ replay child or folder outlives its page or its dashboard."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from datetime import date
@@ -115,21 +113,3 @@ def test_a_job_no_page_polls_is_stopped_with_its_child():
     assert watched.folder.exists() and watched.process.poll() is None
     watched.stop()
     assert watched.process.returncode is not None
-
-
-def test_folders_a_killed_dashboard_left_are_removed_and_their_replay_ended(tmp_path):
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # a dashboard that no longer runs
-    child = _sleeper("-m", "kvlease", "replay")
-    stale = tmp_path / f"{whatif.FOLDER_PREFIX}stale"
-    stale.mkdir()
-    (stale / whatif.OWNER_FILE).write_text(str(gone.pid))
-    (stale / whatif.CHILD_FILE).write_text(str(child.pid))
-    live = tmp_path / f"{whatif.FOLDER_PREFIX}live"
-    live.mkdir()
-    (live / whatif.OWNER_FILE).write_text(str(os.getpid()))  # this process: still running
-    unowned = tmp_path / f"{whatif.FOLDER_PREFIX}unowned"  # nothing says whose: kept
-    unowned.mkdir()
-    assert whatif.sweep_stale(str(tmp_path)) == 1
-    assert not stale.exists() and live.exists() and unowned.exists()
-    assert child.wait(timeout=10) == -signal.SIGKILL

@@ -1,0 +1,238 @@
+"""Every process a kvlease command starts stops with it, and leaves nothing behind.
+
+`kvlease serve` and `kvlease dashboard` do their work in one child, and `supervise`
+waits for it. The child runs in a new session (its own process group: a terminal's
+Ctrl-C reaches the command only, which passes it on once) with the command's *run
+folder*, `$TMPDIR/kvlease-run-<command>-<random>/`, as its `TMPDIR` and in
+`KVLEASE_RUN_DIR`. Every process of its tree inherits that environment: the tree is
+found by it (`members`), whatever parent or process group its processes end up with
+(vLLM's engine cores, workers, resource tracker, data-parallel coordinator and API
+processes; Streamlit and its What if replays), and every temporary file the tree makes
+(vLLM's ZMQ sockets, kvlease's channel sockets, What if folders) lands in the folder.
+`kvlease demo` and `kvlease replay` work in their own process: `interrupt_on_signals`
+gives SIGTERM the orderly way out Ctrl-C takes, and each process they start gets
+`die_with_parent`.
+
+How a command stops (`supervise`):
+1. SIGTERM and SIGINT to it are passed to the child.
+2. The child has `deadline` seconds from the first signal to exit (its own drain and
+   teardown), then the whole tree is killed.
+3. Once the child has exited, the rest of its tree has LINGER seconds to follow (vLLM's
+   resource tracker ends when its last user has), then it is killed.
+4. The run folder is removed. The status is 128 + N when signal N stopped the command
+   (the child ended as asked) or ended the child, else the child's own (a failure).
+If the command itself is killed (SIGKILL, OOM), the kernel sends its child SIGTERM
+(Linux's parent-death signal), so the child stops as in 1; the run folder it leaves,
+and any process still marked with it, are removed by `sweep` at the next start of any
+of these commands. Costs: `members` reads every /proc/<pid>/environ it may read, O(the
+machine's processes), only while stopping and sweeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+RUN_DIR_ENV = "KVLEASE_RUN_DIR"  # the run folder of a process's supervising command
+SUPERVISED_ENV = "KVLEASE_SUPERVISED"  # set for the child only: the command it works for
+OWNER_FILE = "owner.pid"  # the supervising command's pid
+FOLDER_PREFIX = "kvlease-run-"
+LINGER = 10.0  # seconds the rest of a tree has to end after the child has
+_PR_SET_PDEATHSIG = 1
+_STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def run_folder(command: str) -> Path:
+    """A new run folder for `command`, owned by this process."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{command}-"))
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
+    return folder
+
+
+def child_environment(env: dict[str, str], folder: Path, command: str) -> dict[str, str]:
+    """`env` for `command`'s child, whose tree is `folder`'s."""
+    return {**env, RUN_DIR_ENV: str(folder), "TMPDIR": str(folder), SUPERVISED_ENV: command}
+
+
+def supervised(command: str) -> bool:
+    """Whether this process is `command`'s supervised child (the command's own process
+    is not); the mark is taken out, so no process this one starts inherits it."""
+    return os.environ.pop(SUPERVISED_ENV, None) == command
+
+
+def members(folder: Path) -> list[int]:
+    """Pids of the live processes marked with `folder` (this process excluded)."""
+    mark = f"{RUN_DIR_ENV}={folder}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        if mark in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_tree(folder: Path, leader: int | None = None) -> None:
+    """SIGKILL every process marked with `folder`, and `leader`'s process group."""
+    if leader is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(leader, signal.SIGKILL)
+    for pid in members(folder):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def sweep(root: str | None = None) -> list[Path]:
+    """Remove the run folders whose command is gone (it was killed: nothing cleaned up),
+    killing what is left of their trees first; the folders removed. A folder without an
+    owner file is left alone (nothing says whose it is)."""
+    removed = []
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*"):
+        owner = _pid(folder / OWNER_FILE)
+        if owner is None or _alive(owner):
+            continue
+        kill_tree(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def supervise(argv: Sequence[str], env: dict[str, str], command: str, deadline: float) -> int:
+    """Run `argv` as `command`'s child and wait for it and its whole tree (the module's
+    docstring says how it stops); its exit status."""
+    folder = run_folder(command)
+    child = _Child(folder, deadline)
+    previous = {sig: signal.signal(sig, child.stop) for sig in _STOPS}  # before it starts
+    try:
+        code = child.run(argv, child_environment(env, folder, command))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(folder, ignore_errors=True)
+    return child.status(code)
+
+
+class _Child:
+    """The supervised child: the signals the command received, the deadline's timer."""
+
+    def __init__(self, folder: Path, deadline: float) -> None:
+        self.folder, self.deadline = folder, deadline
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.received: list[int] = []
+        self.timer: threading.Timer | None = None
+
+    def stop(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+        if self.proc is not None:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signum)
+        if self.timer is None:  # the deadline runs from the first signal
+            self.timer = threading.Timer(self.deadline, kill_tree, (self.folder, self.proc.pid))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def run(self, argv: Sequence[str], env: dict[str, str]) -> int:
+        parent = os.getpid()
+        self.proc = subprocess.Popen(
+            list(argv),
+            env=env,
+            start_new_session=True,
+            preexec_fn=lambda: die_with_parent(parent),
+        )
+        if self.received:  # a signal came while it was starting
+            self._forward(self.received[0])
+        code = self.proc.wait()
+        if self.timer is not None:
+            self.timer.cancel()
+        self._linger(self.proc.pid)
+        return code
+
+    def status(self, code: int) -> int:
+        if code < 0:  # a signal ended it (sent to it, or the deadline's SIGKILL)
+            return 128 - code
+        if self.received and code in (0, 128 + self.received[0]):
+            return 128 + self.received[0]  # it stopped as asked
+        return code
+
+    def _linger(self, leader: int) -> None:
+        """Give the rest of the tree LINGER seconds, then kill it."""
+        end = time.monotonic() + LINGER
+        while members(self.folder) and time.monotonic() < end:
+            _reap_orphans()
+            time.sleep(0.2)
+        kill_tree(self.folder, leader)
+        _reap_orphans()
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[list[int]]:
+    """Inside the block SIGTERM and SIGINT both raise KeyboardInterrupt, so a command that
+    works in its own process takes its orderly way out on either (Python's default for
+    SIGTERM is to die at once, skipping `finally` and pools' exits; a shell may have
+    ignored SIGINT for a background job). Yields the signals received, for the exit
+    status; the previous handlers are back after the block."""
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in _STOPS}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def die_with_parent(parent: int) -> None:
+    """In a child before exec: SIGTERM when `parent` dies (Linux's parent-death signal),
+    and exit now if it already has (it died between fork and here)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _reap_orphans() -> None:
+    """As a container's first process, orphans are re-parented to this one: collect
+    them, or they stay zombies. (Anywhere else they go to init.)"""
+    if os.getpid() != 1:
+        return
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,115 @@
+"""A supervised command's tree stops with it and leaves nothing behind
+(kvlease.engine.processes), through real processes: a child that starts a grandchild in
+a session of its own (as vLLM's resource tracker and engines escape a process group) and
+writes to its temporary folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import procs
+import pytest
+from waiting import until
+
+from kvlease.engine import processes
+
+HANG = 120  # seconds: a hang, not a slow machine
+
+# The child: a grandchild in its own session, a file in TMPDIR, then it waits for a
+# signal; with `stubborn` both ignore SIGTERM and SIGINT.
+CHILD = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, tempfile, time
+    stubborn = sys.argv[1] == "stubborn"
+    if stubborn:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    open(os.path.join(tempfile.gettempdir(), "socket"), "w").close()
+    print("ready", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)) if not stubborn else None
+    while True:
+        time.sleep(1)
+    """
+)
+SUPERVISOR = textwrap.dedent(
+    """
+    import os, sys
+    from kvlease.engine import processes
+    child = [sys.executable, "-c", sys.argv[1], sys.argv[2]]
+    sys.exit(processes.supervise(child, dict(os.environ), "test", float(sys.argv[3])))
+    """
+)
+
+
+def _supervisor(tmp_path: Path, mode: str = "polite", deadline: float = 60) -> subprocess.Popen:
+    """A supervising command whose run folder goes under `tmp_path`; returns once its
+    child is ready."""
+    log = tmp_path / "supervisor.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, CHILD, mode, str(deadline)],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    until(lambda: "ready" in log.read_text(), "the supervised child to start", HANG)
+    return proc
+
+
+def _folder(tmp_path: Path) -> Path:
+    [folder] = tmp_path.glob(f"{processes.FOLDER_PREFIX}test-*")
+    return folder
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_whole_tree_and_removes_its_folder(sig, tmp_path):
+    proc = _supervisor(tmp_path)
+    folder = _folder(tmp_path)
+    tree = processes.members(folder)
+    assert len(tree) == 2 and (folder / "socket").exists()  # child, escaped grandchild
+    proc.send_signal(sig)
+    assert proc.wait(HANG) == 128 + sig
+    assert not procs.running(tree), "a process of the tree outlived its command"
+    assert not folder.exists()
+
+
+def test_a_child_that_ignores_the_signal_is_killed_at_the_deadline(tmp_path):
+    proc = _supervisor(tmp_path, "stubborn", deadline=1)
+    folder = _folder(tmp_path)
+    tree = processes.members(folder)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(HANG) == 128 + signal.SIGKILL  # the deadline's kill ended it
+    assert not procs.running(tree) and not folder.exists()
+
+
+def test_a_killed_commands_child_is_told_to_stop_and_the_next_sweep_cleans_up(tmp_path):
+    proc = _supervisor(tmp_path)
+    folder = _folder(tmp_path)
+    child, grandchild = sorted(processes.members(folder))
+    proc.kill()  # SIGKILL: the command cleans nothing
+    proc.wait()
+    until(lambda: not procs.running([child]), "the parent-death signal to stop the child", HANG)
+    assert procs.running([grandchild]) and folder.exists()  # what a crash leaves
+    live = tmp_path / f"{processes.FOLDER_PREFIX}live"
+    live.mkdir()
+    (live / processes.OWNER_FILE).write_text(str(os.getpid()))  # its command still runs
+    unowned = tmp_path / f"{processes.FOLDER_PREFIX}unowned"  # nothing says whose: kept
+    unowned.mkdir()
+    assert processes.sweep(str(tmp_path)) == [folder]
+    until(lambda: not procs.running([grandchild]), "the sweep to end the leftover", HANG)
+    assert live.exists() and unowned.exists()
+
+
+def test_only_the_supervised_child_sees_its_mark(monkeypatch):
+    env = processes.child_environment({}, Path("/tmp/kvlease-run-x"), "serve")
+    monkeypatch.setenv(processes.SUPERVISED_ENV, env[processes.SUPERVISED_ENV])
+    assert not processes.supervised("dashboard")
+    monkeypatch.setenv(processes.SUPERVISED_ENV, env[processes.SUPERVISED_ENV])
+    assert processes.supervised("serve")
+    assert processes.SUPERVISED_ENV not in os.environ  # its own children do not inherit it

@@ -1,0 +1,69 @@
+"""`kvlease serve` stops with everything vLLM started and leaves nothing behind
+(kvlease.engine.processes), through the real processes: SIGINT and SIGTERM end the API
+server, engine core, worker and resource tracker, remove the run folder that held vLLM's
+and kvlease's sockets, and free the port; after a SIGKILL the next start on the same
+port succeeds and removes what the killed one left. (The data-parallel server's stop is
+the last test of tests/test_scale_out.py, on its fleet.)"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+from pathlib import Path
+
+import procs
+import pytest
+from servers import free_port, kvlease_serve
+from waiting import until
+
+pytestmark = pytest.mark.engine
+
+HANG = 180  # seconds: a hang, not a slow machine
+
+
+def _sockets() -> set[str]:
+    """The socket files at the top of the temporary directory."""
+    return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket()}
+
+
+@pytest.fixture(scope="module")
+def port() -> int:
+    return free_port()
+
+
+def test_sigint_and_sigterm_stop_every_process_and_remove_the_run_folder(
+    demo_model, kvlease_home, tmp_path, port
+):
+    before = _sockets()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        server = kvlease_serve(kvlease_home, tmp_path / f"{sig.name}.log", port=port)
+        folder, tree = server.folder(), server.tree()
+        assert folder is not None and any(p.is_socket() for p in folder.iterdir())
+        names = " | ".join(procs.cmdline(p) for p in tree)
+        assert "VLLM::EngineCore" in names and "resource_tracker" in names, names
+        assert server.stop(sig, timeout=HANG) == 128 + sig
+        left = procs.running(tree)
+        assert not left, f"outlived kvlease serve: {[procs.cmdline(p) for p in left]}"
+        assert not folder.exists()
+        until(lambda: procs.port_free(port), "the port to be free", HANG)
+    assert _sockets() <= before, "sockets left in the temporary directory"
+
+
+def test_after_a_kill_the_next_start_on_the_port_cleans_up_and_serves(
+    demo_model, kvlease_home, tmp_path, port
+):
+    killed = kvlease_serve(kvlease_home, tmp_path / "killed.log", port=port)
+    folder, tree = killed.folder(), killed.tree()
+    killed.proc.kill()  # SIGKILL: kvlease serve cleans nothing
+    killed.proc.wait()
+    # The kernel told the server to stop (parent-death signal): it drains and ends its
+    # engine by itself; its run folder, with the sockets, is what the crash leaves.
+    until(lambda: not procs.running(tree), "the killed server's processes to end", HANG)
+    assert folder is not None and any(p.is_socket() for p in folder.iterdir())
+    again = kvlease_serve(kvlease_home, tmp_path / "again.log", port=port)
+    try:
+        assert f"removed {folder}" in again.log.read_text()
+        assert not folder.exists()
+    finally:
+        assert again.stop(signal.SIGTERM, timeout=HANG) == 128 + signal.SIGTERM
+    until(lambda: procs.port_free(port), "the port to be free", HANG)
