@@ -31,27 +31,33 @@ def port() -> int:
     return free_port()
 
 
-def test_sigint_and_sigterm_stop_every_process_and_remove_the_run_folder(
+def _stops_cleanly(server, sig: int, port: int) -> None:
+    """`sig` ends every process of `server` and removes its run folder, which held its
+    sockets; its port is free again."""
+    folder, tree = server.folder(), server.tree()
+    assert folder is not None and any(p.is_socket() for p in folder.iterdir())
+    names = " | ".join(procs.cmdline(p) for p in tree)
+    assert "VLLM::EngineCore" in names and "resource_tracker" in names, names
+    assert server.stop(sig, timeout=HANG) == 128 + sig
+    left = procs.running(tree)
+    assert not left, f"outlived kvlease serve: {[procs.cmdline(p) for p in left]}"
+    assert not folder.exists()
+    until(lambda: procs.port_free(port), "the port to be free", HANG)
+
+
+def test_sigint_stops_every_process_and_removes_the_run_folder(
     demo_model, kvlease_home, tmp_path, port
 ):
     before = _sockets()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        server = kvlease_serve(kvlease_home, tmp_path / f"{sig.name}.log", port=port)
-        folder, tree = server.folder(), server.tree()
-        assert folder is not None and any(p.is_socket() for p in folder.iterdir())
-        names = " | ".join(procs.cmdline(p) for p in tree)
-        assert "VLLM::EngineCore" in names and "resource_tracker" in names, names
-        assert server.stop(sig, timeout=HANG) == 128 + sig
-        left = procs.running(tree)
-        assert not left, f"outlived kvlease serve: {[procs.cmdline(p) for p in left]}"
-        assert not folder.exists()
-        until(lambda: procs.port_free(port), "the port to be free", HANG)
+    server = kvlease_serve(kvlease_home, tmp_path / "serve.log", port=port)
+    _stops_cleanly(server, signal.SIGINT, port)
     assert _sockets() <= before, "sockets left in the temporary directory"
 
 
-def test_after_a_kill_the_next_start_on_the_port_cleans_up_and_serves(
+def test_after_a_kill_the_next_start_on_the_port_cleans_up_and_stops_on_sigterm(
     demo_model, kvlease_home, tmp_path, port
 ):
+    before = _sockets()
     killed = kvlease_serve(kvlease_home, tmp_path / "killed.log", port=port)
     folder, tree = killed.folder(), killed.tree()
     killed.proc.kill()  # SIGKILL: kvlease serve cleans nothing
@@ -64,6 +70,7 @@ def test_after_a_kill_the_next_start_on_the_port_cleans_up_and_serves(
     try:
         assert f"removed {folder}" in again.log.read_text()
         assert not folder.exists()
+        _stops_cleanly(again, signal.SIGTERM, port)
     finally:
-        assert again.stop(signal.SIGTERM, timeout=HANG) == 128 + signal.SIGTERM
-    until(lambda: procs.port_free(port), "the port to be free", HANG)
+        again.stop(signal.SIGKILL)  # only if an assertion failed: it is stopped by then
+    assert _sockets() <= before, "sockets left in the temporary directory"
