@@ -182,17 +182,20 @@ class _Child:
 
 
 @contextlib.contextmanager
-def interrupt_on_signals() -> Iterator[list[int]]:
+def interrupt_on_signals(raise_interrupt: bool = True) -> Iterator[list[int]]:
     """Inside the block SIGTERM and SIGINT both raise KeyboardInterrupt, so a command that
     works in its own process takes its orderly way out on either (Python's default for
     SIGTERM is to die at once, skipping `finally` and pools' exits; a shell may have
-    ignored SIGINT for a background job). Yields the signals received, for the exit
-    status; the previous handlers are back after the block."""
+    ignored SIGINT for a background job). Without `raise_interrupt` they are only
+    recorded, for code that polls (an exception raised inside multiprocessing's pool
+    machinery can deadlock it). Yields the signals received, for the exit status; the
+    previous handlers are back after the block."""
     received: list[int] = []
 
     def interrupt(signum: int, _frame: object) -> None:
         received.append(signum)
-        raise KeyboardInterrupt
+        if raise_interrupt:
+            raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, interrupt) for sig in _STOPS}
     try:

@@ -119,21 +119,30 @@ def _tiers(path: str | None, flag: str) -> TierTable:
         raise ReplayInputError(f"{flag}: {exc}") from None
 
 
+class Stopped(Exception):
+    """`run` was asked to stop; its workers are ended."""
+
+
 def run(
-    plan: Plan, jobs: int = 2, progress: Callable[[int], object] | None = None
+    plan: Plan,
+    jobs: int = 2,
+    progress: Callable[[int], object] | None = None,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> dict[str, Any]:
     """Both sides (in `jobs` processes), and the report: the JSON `--json` writes."""
     from kvlease.replay.report import movers
 
     spawn = multiprocessing.get_context("spawn")  # vLLM's rule: never fork after it loads
     done = spawn.Value("q", 0)
-    # A pool, not an executor: leaving the block for any reason (a KeyboardInterrupt:
-    # `kvlease replay` makes SIGTERM one too) terminates the workers at once, and each is
-    # told to stop by the kernel if this process is killed.
+    # A pool, not an executor: leaving the block terminates the workers at once (asked to
+    # stop: `stopped()`, polled with the progress), and each is told to stop by the kernel
+    # if this process is killed.
     with spawn.Pool(jobs, initializer=_start_worker, initargs=(done, os.getpid())) as workers:
         pending = {s.name: workers.apply_async(_side, (s, plan)) for s in plan.sides}
         shown, finished = 0, False
         while not finished:
+            if stopped():
+                raise Stopped
             finished = all(r.ready() for r in pending.values())  # before the last count
             if progress is not None and done.value > shown:
                 progress(done.value - shown)

@@ -7,7 +7,6 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -384,18 +383,18 @@ def _replay(args: argparse.Namespace) -> int:
     total = sum(len(side.turns) for side in plan.sides)
     for note in plan.notes:
         print(f"kvlease replay: {note}", file=sys.stderr)
-    with processes.interrupt_on_signals() as received:
+    with processes.interrupt_on_signals(raise_interrupt=False) as received:
         try:
             if args.quiet:
-                report = command.run(plan)
+                report = command.run(plan, stopped=lambda: bool(received))
             else:
                 from tqdm import tqdm
 
                 with tqdm(total=total, unit="req", desc="replay", file=sys.stderr) as bar:
-                    report = command.run(plan, progress=bar.update)
-        except KeyboardInterrupt:  # the workers are ended by now (command.run)
+                    report = command.run(plan, progress=bar.update, stopped=lambda: bool(received))
+        except command.Stopped:  # its workers are ended by now
             print("kvlease replay: stopped, nothing written", file=sys.stderr)
-            return 128 + (received[0] if received else signal.SIGINT)
+            return 128 + received[0]
     for path, text in (
         (args.json, lambda: json.dumps(report, indent=2) + "\n"),
         (args.output, lambda: render.page(report)),

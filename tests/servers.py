@@ -67,9 +67,10 @@ class Server:
         return run_folder(self.proc.pid, "serve")
 
     def tree(self) -> list[int]:
-        """Every process of the server: its supervisor and what that started."""
+        """Every live process of the server: its supervisor and what that started."""
         folder = self.folder()
-        return [self.proc.pid, *(processes.members(folder) if folder else [])]
+        marked = processes.members(folder) if folder else []
+        return ([self.proc.pid] if self.proc.poll() is None else []) + marked
 
     def api_pid(self) -> int:
         """The API server process: the supervised child of `kvlease serve`."""

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
+import procs
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import free_port
@@ -167,7 +168,7 @@ def _run_folders() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob(f"{processes.FOLDER_PREFIX}*"))
 
 
-def _start_demo(home: Path) -> tuple[subprocess.Popen, Path]:
+def _start_demo(home: Path) -> tuple[subprocess.Popen, Path, int]:
     """`kvlease demo` with its own KVLEASE_HOME, returned while vLLM is still starting (the
     server's placeholder answers 503)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
@@ -184,7 +185,7 @@ def _start_demo(home: Path) -> tuple[subprocess.Popen, Path]:
         return _starting(f"http://127.0.0.1:{port}")
 
     until(starting, "the server's placeholder answers 503", 900, 0.5)
-    return proc, log
+    return proc, log, port
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -194,7 +195,7 @@ def test_a_signal_while_the_engine_starts_stops_everything_and_says_it_never_ser
     status that names the signal, and no process left behind, not even vLLM's resource
     tracker. (The run above covers stopping under traffic.)"""
     folders = _run_folders()
-    proc, log = _start_demo(tmp_path)
+    proc, log, port = _start_demo(tmp_path)
     assert _run_folders() - folders  # the server's, holding its sockets
     proc.send_signal(sig)
     code = proc.wait(300)
@@ -204,13 +205,14 @@ def test_a_signal_while_the_engine_starts_stops_everything_and_says_it_never_ser
     assert "the engine never served" in output
     until(lambda: not _processes_of(tmp_path), "the demo's processes to be reaped", 30, 0.1)
     assert _run_folders() <= folders
+    until(lambda: procs.port_free(port), "the server's port to be free", 30, 0.1)
 
 
 def test_a_killed_demos_children_stop_by_themselves(tmp_path):
     """SIGKILL: the demo stops nothing, the kernel tells its children to (parent-death
     signal), and the server they include stops its engine too; the server's run folder is
     what is left, for the next start's sweep."""
-    proc, _ = _start_demo(tmp_path)
+    proc, _, _ = _start_demo(tmp_path)
     proc.kill()
     proc.wait()
     until(lambda: not _processes_of(tmp_path), "the killed demo's children to end", 300, 0.5)
