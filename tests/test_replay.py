@@ -284,7 +284,11 @@ def test_a_stopped_replay_ends_its_workers_and_says_how_it_ended(sig, tmp_path, 
     until(two_workers, "the replay's two workers", 300, 0.1)
     workers = procs.children(proc.pid, b"spawn_main")
     proc.send_signal(sig)
-    code = proc.wait(120)
+    try:
+        code = proc.wait(120)
+    finally:  # a hang must not outlive the test
+        if proc.poll() is None:
+            proc.kill()
     assert code == (-sig if sig == signal.SIGKILL else 128 + sig)
     until(lambda: not procs.running(workers), "the replay's workers to end", 120, 0.1)
     assert not report.exists()
