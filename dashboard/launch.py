@@ -76,7 +76,5 @@ def run_dashboard(args) -> int:
     env = environment(args.engine, args.prometheus, args.usage_db, args.token or None, args.refresh)
     if not (env[data.ENGINE_ENV] or env[data.PROMETHEUS_ENV]):
         env[data.ENGINE_ENV] = "http://127.0.0.1:8000"
-    for folder in processes.sweep():
-        print(f"kvlease dashboard: removed {folder}, left by a killed kvlease")
     print(f"kvlease dashboard: http://{args.address}:{args.port}", flush=True)
     return processes.supervise(command(args.port, args.address), env, "dashboard", STOP_SECONDS)

@@ -95,15 +95,7 @@ class Demo:
         """Its own process group, so Ctrl-C reaches only the demo, which stops it in order;
         told to stop (SIGTERM) by the kernel if the demo dies first."""
         log = (self.run / f"{name}.log").open("w")
-        demo = os.getpid()
-        proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: processes.die_with_parent(demo),
-        )
+        proc = processes.start_child(argv, env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
 

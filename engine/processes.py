@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 RUN_DIR_ENV = "KVLEASE_RUN_DIR"  # the run folder of a process's supervising command
 SUPERVISED_ENV = "KVLEASE_SUPERVISED"  # set for the child only: the command it works for
@@ -111,8 +112,11 @@ def sweep(root: str | None = None) -> list[Path]:
 
 
 def supervise(argv: Sequence[str], env: dict[str, str], command: str, deadline: float) -> int:
-    """Run `argv` as `command`'s child and wait for it and its whole tree (the module's
+    """Remove what killed commands left (`sweep`, said on standard output), then run
+    `argv` as `command`'s child and wait for it and its whole tree (the module's
     docstring says how it stops); its exit status."""
+    for stale in sweep():
+        print(f"kvlease {command}: removed {stale}, left by a killed kvlease", flush=True)
     folder = run_folder(command)
     child = _Child(folder, deadline)
     previous = {sig: signal.signal(sig, child.stop) for sig in _STOPS}  # before it starts
@@ -149,13 +153,7 @@ class _Child:
             self.timer.start()
 
     def run(self, argv: Sequence[str], env: dict[str, str]) -> int:
-        parent = os.getpid()
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            start_new_session=True,
-            preexec_fn=lambda: die_with_parent(parent),
-        )
+        self.proc = start_child(argv, env)
         if self.received:  # a signal came while it was starting
             self._forward(self.received[0])
         code = self.proc.wait()
@@ -203,6 +201,19 @@ def interrupt_on_signals(raise_interrupt: bool = True) -> Iterator[list[int]]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def start_child(argv: Sequence[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[bytes]:
+    """`argv` in a session of its own (a terminal's Ctrl-C reaches only this process,
+    which passes it on), told to stop by the kernel if this process dies first."""
+    parent = os.getpid()
+    return subprocess.Popen(
+        list(argv),
+        env=env,
+        start_new_session=True,
+        preexec_fn=lambda: die_with_parent(parent),
+        **popen,
+    )
 
 
 def die_with_parent(parent: int) -> None:

@@ -356,10 +356,8 @@ class UsageLedger:
         query = query.order_by(records.c.tenant_id, records.c.model, records.c.ended_at)
         with self.engine.connect().execution_options(stream_results=True) as conn:
             for chunk in conn.execute(query).partitions(batch):
-                for row in chunk:
-                    yield UsageRecord(
-                        *cast(Row, row)
-                    )  # the table's columns are the record's fields
+                for row in chunk:  # the table's columns are the record's fields
+                    yield UsageRecord(*cast(Row, row))
 
     def latest(self, tenant: str, start: float, end: float, limit: int) -> list[UsageRecord]:
         """A tenant's last `limit` records ended in [start, end), newest first: the usage

@@ -240,8 +240,6 @@ def run_serve(argv: Sequence[str]) -> int:
 def _supervise(argv: Sequence[str], rest: list[str]) -> int:
     """This command as the server's supervisor (kvlease.engine.processes): the server and
     every process vLLM starts end with it, its sockets and temporary files with them."""
-    for folder in processes.sweep():
-        print(f"kvlease serve: removed {folder}, left by a killed kvlease", flush=True)
     drain = float(_value("--shutdown-timeout", rest) or DRAIN_SECONDS)
     command = [sys.executable, "-m", "kvlease", "serve", *argv]
     return processes.supervise(command, dict(os.environ), "serve", drain + TEARDOWN_SECONDS)
