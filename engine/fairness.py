@@ -31,20 +31,25 @@ OUTPUT_COST = 2.0
 @dataclass(slots=True, eq=False)
 class Account:
     """One tenant's counter in one tier. `counter` is weighted service: it only grows
-    (by `FairShare.charge` and the lift), so a heap entry older than it is stale."""
+    (by `charge` and the lift), so a heap entry older than it is stale."""
 
     tenant: str
     weight: float
+    book: FairShare  # its tier's, which keeps the backlogged service clock
     counter: float = 0.0
     waiting: int = 0  # its requests in the waiting queue: backlogged while > 0
     served: float = 0.0  # unweighted service, cumulative
-    mark: float = 0.0  # `served` when the current fair-share window began
+    mark: float = 0.0  # `served` when its current backlog (or window) began
+    vmark: float = 0.0  # the tier's `vtime` at the same moment
     requests: set[str] = field(default_factory=set)  # ids the engine holds (in flight)
 
     def charge(self, tokens: float) -> None:
         """`tokens` of service, INPUT_COST / OUTPUT_COST already applied. O(1)."""
         self.served += tokens
         self.counter += tokens / self.weight
+        if self.waiting:
+            book = self.book
+            book.vtime += tokens / book.weights
 
 
 @dataclass
@@ -62,12 +67,24 @@ class FairShare:
     - an account with nothing in flight whose counter is at or under `floor` is forgotten:
       it would be lifted to the floor on return anyway. Memory: O(tenants in flight +
       idle tenants still above the floor).
+    - the books are exact, whenever they are read: `vtime` is the service backlogged
+      tenants received, per unit of the backlogged weight at the time (`weights`, the sum
+      over backlogged accounts), so a tenant's entitlement over any stretch of its backlog
+      is its weight times `vtime`'s growth over it, and the entitlements of a stretch add
+      up to the service backlogged tenants received in it. A backlog that ends before a
+      settlement is kept in `closed` until then (its account may be forgotten meanwhile).
     Costs: `charge` O(1); `enqueued` O(log n); `next` O(log n) amortised (each stale
-    entry is refreshed once per change of its counter); `released` O(log n).
+    entry is refreshed once per change of its counter); `released` O(log n); `shares`
+    O(backlogged + closed since the last settlement).
     """
 
     accounts: dict[str, Account] = field(default_factory=dict)
     floor: float = 0.0
+    vtime: float = 0.0  # cumulative service to backlogged tenants / their weight then
+    weights: float = 0.0  # the backlogged accounts' weights, summed
+    backlogged: int = 0  # accounts with a request waiting
+    # tenant -> [served, entitled] of backlogs that ended since the last settlement
+    closed: dict[str, list[float]] = field(default_factory=dict)
     _heap: list[tuple[float, int, Account]] = field(default_factory=list)
     _idle: list[tuple[float, int, Account]] = field(default_factory=list)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
@@ -77,7 +94,11 @@ class FairShare:
         is lifted anyway)."""
         a = self.accounts.get(tenant)
         if a is None:
-            a = self.accounts[tenant] = Account(tenant, weight, self.floor)
+            a = self.accounts[tenant] = Account(tenant, weight, self, self.floor)
+        elif weight != a.weight and a.waiting:  # its books so far at the old weight
+            self._close(a)
+            self.weights += weight - a.weight
+            a.mark, a.vmark = a.served, self.vtime
         a.weight = weight  # the latest request's weight (a token may carry a new one)
         a.requests.add(request_id)
         return a
@@ -95,7 +116,9 @@ class FairShare:
         put back after a preemption is not new: the waiting queue resumes it first.)"""
         a.waiting += 1
         if a.waiting == 1:  # backlogged again: lift, then compete
-            a.mark = a.served
+            a.mark, a.vmark = a.served, self.vtime
+            self.backlogged += 1
+            self.weights += a.weight
             smallest = self._smallest()
             a.counter = max(a.counter, self.floor if smallest is None else smallest.counter)
             heapq.heappush(self._heap, (a.counter, next(self._seq), a))
@@ -103,6 +126,15 @@ class FairShare:
     def dequeued(self, a: Account) -> None:
         """A request of `a` left the waiting queue (admitted or aborted)."""
         a.waiting -= 1
+        if a.waiting == 0:  # its backlog ends: book it until the next settlement
+            self._close(a)
+            self.backlogged -= 1
+            self.weights = self.weights - a.weight if self.backlogged else 0.0  # no drift
+
+    def _close(self, a: Account) -> None:
+        book = self.closed.setdefault(a.tenant, [0.0, 0.0])
+        book[0] += a.served - a.mark
+        book[1] += a.weight * (self.vtime - a.vmark)
 
     def next(self, skip: Callable[[Account], bool] | None = None) -> Account | None:
         """The backlogged account with the smallest counter, leaving out those `skip`
@@ -150,21 +182,28 @@ class FairShare:
                 del self.accounts[a.tenant]
 
     def shares(self) -> dict[str, tuple[float, float, float]]:
-        """Per backlogged tenant: its counter, the service it received since the last
-        `settle()` (or since it became backlogged), and its entitlement over the same time: its
-        weight's part of what every backlogged tenant of the tier received. Served over
-        entitled is its fair-share ratio: 1.0 its share exactly, 0.5 half of it."""
-        backlogged = [a for a in self.accounts.values() if a.waiting]
-        total = sum(a.served - a.mark for a in backlogged)
-        weights = sum(a.weight for a in backlogged)
-        return {
-            a.tenant: (a.counter, a.served - a.mark, total * a.weight / weights) for a in backlogged
-        }
+        """Per tenant backlogged at some time since the last `settle()`: its counter, the
+        service it received while backlogged, and its entitlement over the same time: its
+        weight's part of what every backlogged tenant of the tier received meanwhile.
+        Served over entitled is its fair-share ratio: 1.0 its share exactly, 0.5 half of
+        it. Exact: a backlog that began and ended between two settlements counts."""
+        out = {}
+        for tenant, (served, entitled) in self.closed.items():
+            a = self.accounts.get(tenant)
+            out[tenant] = (a.counter if a is not None else self.floor, served, entitled)
+        for a in self.accounts.values():
+            if a.waiting:
+                _, served, entitled = out.get(a.tenant, (0.0, 0.0, 0.0))
+                served += a.served - a.mark
+                entitled += a.weight * (self.vtime - a.vmark)
+                out[a.tenant] = (a.counter, served, entitled)
+        return out
 
     def settle(self) -> dict[str, tuple[float, float, float]]:
-        """`shares()`, after which each backlogged tenant's service counts anew."""
+        """`shares()`, after which the books count anew."""
         out = self.shares()
+        self.closed = {}
         for a in self.accounts.values():
-            if a.tenant in out:
-                a.mark = a.served
+            if a.waiting:
+                a.mark, a.vmark = a.served, self.vtime
         return out

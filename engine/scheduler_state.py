@@ -221,7 +221,7 @@ class KvleaseState:
                 books.setdefault((self.label(tenant), tier), [0.0, 0.0])  # a series from start
             settled[tier] = share.settle()
             for tenant, (_, served, entitled) in settled[tier].items():
-                book = books[(self.label(tenant), tier)]
+                book = books.setdefault((self.label(tenant), tier), [0.0, 0.0])  # or forgotten
                 book[0] += served
                 book[1] += entitled
         return self._fair_share_rows(settled)
