@@ -6,9 +6,10 @@ Ctrl-C reaches the command only, which passes it on once) with the command's *ru
 folder*, `$TMPDIR/kvlease-run-<command>-<random>/`, as its `TMPDIR` and in
 `KVLEASE_RUN_DIR`. Every process of its tree inherits that environment: the tree is
 found by it (`members`), whatever parent or process group its processes end up with
-(vLLM's engine cores, workers, resource tracker, data-parallel coordinator and API
-processes; Streamlit and its What if replays), and every temporary file the tree makes
-(vLLM's ZMQ sockets, kvlease's channel sockets, What if folders) lands in the folder.
+(vLLM's resource tracker, data-parallel coordinator and API processes; Streamlit and
+its What if replays), and by the child's process group (vLLM's engine cores and
+workers rename themselves, which hides their environment); every temporary file the
+tree makes (vLLM's ZMQ sockets, kvlease's channel sockets, What if folders) lands in the folder.
 `kvlease demo` and `kvlease replay` work in their own process: `interrupt_on_signals`
 gives SIGTERM the orderly way out Ctrl-C takes, and each process they start gets
 `die_with_parent`.
@@ -16,16 +17,22 @@ gives SIGTERM the orderly way out Ctrl-C takes, and each process they start gets
 How a command stops (`supervise`):
 1. SIGTERM and SIGINT to it are passed to the child.
 2. The child has `deadline` seconds from the first signal to exit (its own drain and
-   teardown), then the whole tree is killed.
+   teardown), then the whole tree is killed. A child that has not called `mark_ready`
+   yet (vLLM still starting its engine) has STARTING_STOP seconds: it has nothing to
+   drain, and vLLM does not always let a signal interrupt its start.
 3. Once the child has exited, the rest of its tree has LINGER seconds to follow (vLLM's
    resource tracker ends when its last user has), then it is killed.
-4. The run folder is removed. The status is 128 + N when signal N stopped the command
-   (the child ended as asked) or ended the child, else the child's own (a failure).
+4. The shared memory the tree had mapped (/dev/shm: vLLM's ring buffers and
+   semaphores, which only an orderly exit unlinks), as noted at `mark_ready` and before
+   any kill, is unlinked, and the run folder removed. The status is 128 + N when signal
+   N stopped the command (the child ended as asked, or was killed while starting) or
+   ended the child, else the child's own (a failure).
 If the command itself is killed (SIGKILL, OOM), the kernel sends its child SIGTERM
 (Linux's parent-death signal), so the child stops as in 1; the run folder it leaves,
-and any process still marked with it, are removed by `sweep` at the next start of any
-of these commands. Costs: `members` reads every /proc/<pid>/environ it may read, O(the
-machine's processes), only while stopping and sweeping.
+any process still marked with it and the shared memory it noted are removed by `sweep`
+at the next start of any of these commands. Costs: `members` reads every
+/proc/<pid>/environ it may read, O(the machine's processes), only while stopping,
+sweeping and once at `mark_ready`.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ SUPERVISED_ENV = "KVLEASE_SUPERVISED"  # set for the child only: the command it 
 OWNER_FILE = "owner.pid"  # the supervising command's pid
 FOLDER_PREFIX = "kvlease-run-"
 LINGER = 10.0  # seconds the rest of a tree has to end after the child has
+STARTING_STOP = 10.0  # seconds a child not ready yet has to end once asked to
+READY_FILE = "ready"  # written by `mark_ready`
+SHARED_MEMORY_FILE = "shared-memory"  # /dev/shm paths the tree mapped, one a line
 _PR_SET_PDEATHSIG = 1
 _STOPS = (signal.SIGTERM, signal.SIGINT)
 
@@ -86,14 +96,66 @@ def members(folder: Path) -> list[int]:
     return found
 
 
+def mark_ready() -> None:
+    """Called in a supervised tree once its work is up (`kvlease serve`: vLLM's engine
+    has started): a stop now gets the whole deadline, and the shared memory the tree
+    maps is noted in the run folder, to be unlinked if the tree is killed. Nothing
+    outside a supervised tree."""
+    folder = os.environ.get(RUN_DIR_ENV)
+    if folder and Path(folder).is_dir():
+        tree = {os.getpid(), *members(Path(folder)), *_group(os.getpgid(0))}
+        _note_shared_memory(Path(folder), sorted(tree))
+        (Path(folder) / READY_FILE).touch()
+
+
 def kill_tree(folder: Path, leader: int | None = None) -> None:
-    """SIGKILL every process marked with `folder`, and `leader`'s process group."""
+    """SIGKILL every process marked with `folder`, and `leader`'s process group; then
+    unlink the shared memory noted for the tree (a killed process unlinks nothing)."""
+    tree = members(folder) + (_group(leader) if leader is not None else [])
+    _note_shared_memory(folder, tree)
     if leader is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(leader, signal.SIGKILL)
-    for pid in members(folder):
+    for pid in tree:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
+    _unlink_shared_memory(folder)
+
+
+def _group(pgid: int) -> list[int]:
+    """Pids in process group `pgid` (this process excluded): vLLM's engine processes,
+    which `members` misses once vLLM renames them (setproctitle overwrites what /proc
+    shows of their environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()  # pid (comm) state ppid pgrp ...
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+                found.append(int(entry.name))
+    return found
+
+
+def _note_shared_memory(folder: Path, pids: Sequence[int]) -> None:
+    """Add the /dev/shm files `pids` map to the folder's list. O(their mappings)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1]
+                if path.startswith("/dev/shm/"):
+                    found.add(path.removesuffix(" (deleted)"))
+    if found:
+        with contextlib.suppress(OSError), (folder / SHARED_MEMORY_FILE).open("a") as f:
+            f.writelines(f"{path}\n" for path in sorted(found))
+
+
+def _unlink_shared_memory(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        for path in set((folder / SHARED_MEMORY_FILE).read_text().split()):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def sweep(root: str | None = None) -> list[Path]:
@@ -125,6 +187,7 @@ def supervise(argv: Sequence[str], env: dict[str, str], command: str, deadline: 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _unlink_shared_memory(folder)
         shutil.rmtree(folder, ignore_errors=True)
     return child.status(code)
 
@@ -137,6 +200,7 @@ class _Child:
         self.proc: subprocess.Popen[bytes] | None = None
         self.received: list[int] = []
         self.timer: threading.Timer | None = None
+        self.starting_killed = False  # the deadline ended it before it was ready
 
     def stop(self, signum: int, _frame: object) -> None:
         self.received.append(signum)
@@ -148,9 +212,16 @@ class _Child:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signum)
         if self.timer is None:  # the deadline runs from the first signal
-            self.timer = threading.Timer(self.deadline, kill_tree, (self.folder, self.proc.pid))
+            starting = not (self.folder / READY_FILE).exists()
+            deadline = min(self.deadline, STARTING_STOP) if starting else self.deadline
+            self.timer = threading.Timer(deadline, self._expire, (starting,))
             self.timer.daemon = True
             self.timer.start()
+
+    def _expire(self, starting: bool) -> None:
+        assert self.proc is not None
+        self.starting_killed = starting
+        kill_tree(self.folder, self.proc.pid)
 
     def run(self, argv: Sequence[str], env: dict[str, str]) -> int:
         self.proc = start_child(argv, env)
@@ -163,6 +234,8 @@ class _Child:
         return code
 
     def status(self, code: int) -> int:
+        if self.starting_killed:  # asked to stop while starting, and stopped
+            return 128 + self.received[0]
         if code < 0:  # a signal ended it (sent to it, or the deadline's SIGKILL)
             return 128 - code
         if self.received and code in (0, 128 + self.received[0]):
@@ -243,10 +316,9 @@ def _pid(path: Path) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet collected by its parent, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kvlease.engine import processes
 from kvlease.exporters.telemetry import TELEMETRY
 
 
@@ -40,4 +41,5 @@ class KvleaseStatLogger(StatLoggerBase):
             join.request_stats(stats, entry)
 
     def log_engine_initialized(self) -> None:
-        pass
+        """The engine is up: under `kvlease serve`, a stop may now take its drain."""
+        processes.mark_ready()

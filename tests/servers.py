@@ -116,9 +116,10 @@ def start(
     extra_env: dict | None = None,
     timeout: float = 300,
     port: int | None = None,
+    answering: int = 200,
 ) -> Server:
-    """Start a server (on `port`, else a free one) and wait until /health answers 200,
-    recording what it said before."""
+    """Start a server (on `port`, else a free one) and wait until /health answers
+    `answering` (200: up; 503: still starting its engine), recording what it said before."""
     port = port or free_port()
     secret = secrets.token_urlsafe(48)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
@@ -149,7 +150,7 @@ def start(
         except httpx.HTTPError:
             status = 0
         server.startup_statuses.append(status)
-        return status == 200
+        return status == answering
 
     if wait(healthy, timeout, interval=0.25):
         return server
@@ -157,12 +158,15 @@ def start(
     raise TimeoutError(f"server did not become healthy; log:\n{log.read_text()[-4000:]}")
 
 
-def kvlease_serve(home: Path, log: Path, *args: str, port: int | None = None) -> Server:
+def kvlease_serve(
+    home: Path, log: Path, *args: str, port: int | None = None, answering: int = 200
+) -> Server:
     return start(
         [sys.executable, "-m", "kvlease", "serve", "--num-blocks", "256", *args],
         home,
         log,
         port=port,
+        answering=answering,
     )
 
 

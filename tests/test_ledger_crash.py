@@ -17,6 +17,7 @@ import pytest
 from servers import start
 from waiting import until, wait
 
+from kvlease.engine import processes
 from kvlease.exporters.ledger import UsageLedger
 
 pytestmark = pytest.mark.engine
@@ -150,6 +151,10 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
             return all(s.done or rows.get(s.request_id) == s.texts for s in streams)
 
         until(journaled, "the server journals every text it sent")
+        folder = server.folder()
+        assert folder is not None
+        shared = (folder / processes.SHARED_MEMORY_FILE).read_text().split()
+        assert any("/psm_" in path for path in shared), shared  # vLLM's ring buffers
         server.crash()  # the supervisor, API server, engine and workers at once
         server.proc.wait(30)
     finally:  # a failure before the kill must not leave a server (frozen engine) behind
@@ -161,7 +166,9 @@ def test_kill_9_mid_load_keeps_exactly_one_record_per_answered_request(kvlease_h
     cut = [s for s in streams if not s.done]
     assert cut, "every stream finished within its first slices"
 
+    assert any(Path(path).exists() for path in shared)  # nobody left to unlink them
     restarted = _serve(kvlease_home, tmp_path / "second.log", usage_db)
+    assert not folder.exists() and not any(Path(path).exists() for path in shared)  # swept
     try:
         ledger = UsageLedger(usage_db)
         # The restarted server bills what the dead one journaled, once it is stale.

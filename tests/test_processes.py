@@ -20,18 +20,25 @@ from kvlease.engine import processes
 
 HANG = 120  # seconds: a hang, not a slow machine
 
-# The child: a grandchild in its own session, a file in TMPDIR, then it waits for a
-# signal; with `stubborn` both ignore SIGTERM and SIGINT.
+# The child: a grandchild in its own session, a file in TMPDIR, a shared memory file it
+# maps, then it waits for a signal; `stubborn` ones ignore SIGTERM and SIGINT, and all
+# but `starting` say they are ready (vLLM's engine is up).
 CHILD = textwrap.dedent(
     """
-    import os, signal, subprocess, sys, tempfile, time
-    stubborn = sys.argv[1] == "stubborn"
+    import mmap, os, signal, subprocess, sys, tempfile, time
+    from kvlease.engine import processes
+    stubborn = sys.argv[1].startswith("stubborn")
+    fd = os.open(f"/dev/shm/kvlease-test-{os.getpid()}", os.O_CREAT | os.O_RDWR)
+    os.ftruncate(fd, 4096)
+    shared = mmap.mmap(fd, 4096)
     if stubborn:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
     subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     open(os.path.join(tempfile.gettempdir(), "socket"), "w").close()
+    if sys.argv[1] != "stubborn-starting":
+        processes.mark_ready()
     print("ready", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)) if not stubborn else None
     while True:
@@ -79,13 +86,35 @@ def test_a_signal_stops_the_whole_tree_and_removes_its_folder(sig, tmp_path):
     assert not folder.exists()
 
 
+def _shared_memory(pid: int) -> Path:
+    return Path(f"/dev/shm/kvlease-test-{pid}")
+
+
 def test_a_child_that_ignores_the_signal_is_killed_at_the_deadline(tmp_path):
+    """...and the shared memory it mapped, which a killed process cannot unlink, goes."""
     proc = _supervisor(tmp_path, "stubborn", deadline=1)
     folder = _folder(tmp_path)
     tree = processes.members(folder)
+    child = min(tree)
+    assert str(_shared_memory(child)) in (folder / processes.SHARED_MEMORY_FILE).read_text()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(HANG) == 128 + signal.SIGKILL  # the deadline's kill ended it
     assert not procs.running(tree) and not folder.exists()
+    assert not _shared_memory(child).exists()
+
+
+def test_a_child_still_starting_gets_the_short_deadline_and_the_signals_status(tmp_path):
+    """Not ready yet (vLLM starting its engine, which may swallow the signal): killed
+    after STARTING_STOP, not the drain deadline, and the status says it stopped as asked
+    (nothing had started); the shared memory it mapped is noted before the kill."""
+    proc = _supervisor(tmp_path, "stubborn-starting", deadline=HANG * 10)
+    folder = _folder(tmp_path)
+    tree = processes.members(folder)
+    assert not (folder / processes.READY_FILE).exists()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(HANG) == 128 + signal.SIGTERM
+    assert not procs.running(tree) and not folder.exists()
+    assert not _shared_memory(min(tree)).exists()
 
 
 def test_a_killed_commands_child_is_told_to_stop_and_the_next_sweep_cleans_up(tmp_path):
@@ -104,6 +133,7 @@ def test_a_killed_commands_child_is_told_to_stop_and_the_next_sweep_cleans_up(tm
     assert processes.sweep(str(tmp_path)) == [folder]
     until(lambda: not procs.running([grandchild]), "the sweep to end the leftover", HANG)
     assert live.exists() and unowned.exists()
+    assert not _shared_memory(child).exists()  # noted when it was ready, unlinked now
 
 
 def test_only_the_supervised_child_sees_its_mark(monkeypatch):

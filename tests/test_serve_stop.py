@@ -2,7 +2,9 @@
 (kvlease.engine.processes), through the real processes: SIGINT and SIGTERM end the API
 server, engine core, worker and resource tracker, remove the run folder that held vLLM's
 and kvlease's sockets, and free the port; after a SIGKILL the next start on the same
-port succeeds and removes what the killed one left. (The data-parallel server's stop is
+port succeeds and removes what the killed one left; a signal while the engine starts
+stops it too. (A crash of every process at once, and the shared memory it leaves, is in
+tests/test_ledger_crash.py.) (The data-parallel server's stop is
 the last test of tests/test_scale_out.py, on its fleet.)"""
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ import pytest
 from servers import free_port, kvlease_serve
 from waiting import until
 
+from kvlease.engine import processes
+
 pytestmark = pytest.mark.engine
 
 HANG = 180  # seconds: a hang, not a slow machine
+
+
+def _shared_memory() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir()}
 
 
 def _sockets() -> set[str]:
@@ -48,10 +56,27 @@ def _stops_cleanly(server, sig: int, port: int) -> None:
 def test_sigint_stops_every_process_and_removes_the_run_folder(
     demo_model, kvlease_home, tmp_path, port
 ):
-    before = _sockets()
+    before, shared = _sockets(), _shared_memory()
     server = kvlease_serve(kvlease_home, tmp_path / "serve.log", port=port)
     _stops_cleanly(server, signal.SIGINT, port)
     assert _sockets() <= before, "sockets left in the temporary directory"
+    assert _shared_memory() <= shared, "vLLM's shared memory left in /dev/shm"
+
+
+def test_a_signal_while_the_engine_starts_stops_it_with_the_signals_status(
+    demo_model, kvlease_home, tmp_path, port
+):
+    """vLLM's engine handshake can swallow the signal; the server then waited out the
+    drain's deadline and was killed (137). Not ready yet, it has a short deadline and
+    its status says it stopped as asked; its shared memory goes with it."""
+    shared = _shared_memory()
+    server = kvlease_serve(kvlease_home, tmp_path / "starting.log", port=port, answering=503)
+    folder, tree = server.folder(), server.tree()
+    assert folder is not None and not (folder / processes.READY_FILE).exists()
+    assert server.stop(signal.SIGTERM, timeout=HANG) == 128 + signal.SIGTERM
+    assert not procs.running(tree) and not folder.exists()
+    assert _shared_memory() <= shared, "vLLM's shared memory left in /dev/shm"
+    until(lambda: procs.port_free(port), "the port to be free", HANG)
 
 
 def test_after_a_kill_the_next_start_on_the_port_cleans_up_and_stops_on_sigterm(
