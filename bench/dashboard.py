@@ -2,7 +2,7 @@
 
     python -m bench.dashboard              # 3 page loads per machine state
     python -m bench.dashboard --repeats 5
-    python -m bench.dashboard --quick      # 1 load each (smoke test)
+    python -m bench.dashboard --quick      # 1 load each, 4 clients (smoke test)
 
 A real `kvlease serve` (the demo model, a 64-block pool) and a real `kvlease dashboard`
 reading its admin API, on the same machine as the browser. Each page load opens the
@@ -43,6 +43,7 @@ from kvlease.engine.tenancy import TierTable
 
 RESULTS = Path(__file__).parent / "results"
 CLIENTS = 12
+QUICK_CLIENTS = 4
 CHARTS = 5  # pool bar, blocks per tenant, event timeline, lease hit, fair share
 HEADLINE = "Alerts from"  # the health strip's source line, under its headline
 PATIENCE_MS = 300_000  # a hang, not a slow page
@@ -88,10 +89,11 @@ def _open_page(browser, url: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="one page load each")
+    parser.add_argument("--quick", action="store_true", help="one page load each, 4 clients")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
+    clients = QUICK_CLIENTS if args.quick else CLIENTS
     from playwright.sync_api import sync_playwright
 
     tiers = TierTable.load()
@@ -101,7 +103,7 @@ def main() -> int:
     env = server_environment(secret)
     tokens = [
         (tenant, tier, session_token(keyring, tiers, tenant, tier, session=tenant))
-        for tenant, tier in tenant_names(WorkloadSpec.for_tenants(CLIENTS))
+        for tenant, tier in tenant_names(WorkloadSpec.for_tenants(clients))
     ]
     admin = session_token(keyring, tiers, "bench-admin", "premium", roles=("admin",))
     stop = threading.Event()
@@ -146,7 +148,7 @@ def main() -> int:
     result = {
         "machine": report.machine(),
         "repeats": repeats,
-        "clients": CLIENTS,
+        "clients": clients,
         **{
             state: {k: median(r[k] for r in runs) for k in FIGURES}
             for state, runs in rounds.items()
@@ -156,7 +158,7 @@ def main() -> int:
     lines = [
         "# The live page's first render (real Chromium, real server under load)",
         "",
-        f"Loaded: {CLIENTS} chat clients keep vLLM busy on both cores beside the browser; "
+        f"Loaded: {clients} chat clients keep vLLM busy on both cores beside the browser; "
         "quiet: they have stopped and the page shows their traffic. Medians of "
         f"{repeats} page loads, each in a fresh tab.",
         "",

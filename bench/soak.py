@@ -2,7 +2,7 @@
 
     python -m bench.soak                   # 5 minutes
     python -m bench.soak --duration 60
-    python -m bench.soak --quick           # 30 s (smoke test)
+    python -m bench.soak --quick           # 30 s, 16 clients (smoke test)
 
 One client per tenant (tiers 1:3:8), each a chat loop through the stock
 `openai` client: stream a reply, add it to the conversation, ask again; a new
@@ -46,6 +46,8 @@ from kvlease.engine.tenancy import TierTable
 from kvlease.exporters.ledger import UsageLedger
 
 CLIENTS = 64
+QUICK_CLIENTS = 16
+TURNS_AT_LEAST = 2  # per client: the load runs past its duration until they are done
 POOL_BLOCKS = 512  # 16k tokens: enough that 64 short chats mostly fit, as a sized server would
 SAMPLE_SECONDS = 10
 WARMUP_SECONDS = 60
@@ -89,6 +91,8 @@ async def client(
 
 
 async def drive(demo: Demo, tokens: list[tuple[str, str, str]], duration: float, pid: int):
+    """The clients' load for `duration` seconds, and then until every client has had
+    TURNS_AT_LEAST answers on average (a slow machine gets as many requests as a fast one)."""
     stats = LoadStats()
     stop = asyncio.Event()
     samples: list[dict[str, Any]] = []
@@ -97,7 +101,8 @@ async def drive(demo: Demo, tokens: list[tuple[str, str, str]], duration: float,
         for tenant, tier, tok in tokens
     ]
     started = time.monotonic()
-    while (elapsed := time.monotonic() - started) < duration:
+    enough = TURNS_AT_LEAST * len(tokens)
+    while (elapsed := time.monotonic() - started) < duration or stats.total_requests < enough:
         rss = rss_mib(pid)
         samples.append({"t": round(elapsed), "total": sum(rss.values()), **rss})
         done = stats.total_requests
@@ -106,7 +111,7 @@ async def drive(demo: Demo, tokens: list[tuple[str, str, str]], duration: float,
             f"RSS {samples[-1]['total']:.0f} MiB",
             flush=True,
         )
-        await asyncio.sleep(min(SAMPLE_SECONDS, max(0.0, duration - elapsed)))
+        await asyncio.sleep(min(SAMPLE_SECONDS, max(0.5, duration - elapsed)))
     stop.set()  # clients finish the request they are in, then stop
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - started
@@ -130,12 +135,13 @@ def flatness(samples: list[dict[str, Any]], warmup: float) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of load")
-    parser.add_argument("--quick", action="store_true", help="30 s (smoke test)")
-    parser.add_argument("--clients", type=int, default=CLIENTS)
+    parser.add_argument("--quick", action="store_true", help="30 s, 16 clients (smoke test)")
+    parser.add_argument("--clients", type=int, default=None, help=f"default {CLIENTS}")
     parser.add_argument("--model", default=None, help="default: the demo model")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     duration = 30.0 if args.quick else args.duration
+    args.clients = args.clients or (QUICK_CLIENTS if args.quick else CLIENTS)
     warmup = min(WARMUP_SECONDS, duration / 3)
     model = resolve_model(args.model)
     tiers = TierTable.load()

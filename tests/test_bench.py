@@ -127,7 +127,7 @@ def test_fair_share_serves_a_heavy_and_light_tenants_of_one_tier_alike(out, kvle
 def test_soak_has_no_errors_and_one_ledger_record_per_completed_request(out, kvlease_home):
     result = _bench("soak", out, kvlease_home)
     assert result["errors"] == 0, result["last_errors"]
-    assert result["completed"] > 64
+    assert result["completed"] >= 2 * result["clients"]  # the load runs until then
     assert result["ledger_records"] == result["completed"]
     assert len(result["rss_samples"]) >= 3
     assert all(s["total"] > s["api"] > 0 for s in result["rss_samples"])

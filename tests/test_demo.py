@@ -10,6 +10,7 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,9 +169,11 @@ def _run_folders() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob(f"{processes.FOLDER_PREFIX}*"))
 
 
-def _start_demo(home: Path) -> tuple[subprocess.Popen, Path, int]:
-    """`kvlease demo` with its own KVLEASE_HOME, returned while vLLM is still starting (the
-    server's placeholder answers 503)."""
+def _start_demo(home: Path, model: str) -> tuple[subprocess.Popen, Path, int]:
+    """`kvlease demo` with its own KVLEASE_HOME (holding a copy of the session's demo model:
+    the run above builds one), returned while vLLM is still starting (the server's
+    placeholder answers 503)."""
+    shutil.copytree(model, home / "models" / Path(model).name)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEASE_", "VLLM_"))}
     env["KVLEASE_HOME"] = str(home)
     log = home / "demo.out"
@@ -189,13 +192,15 @@ def _start_demo(home: Path) -> tuple[subprocess.Popen, Path, int]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_while_the_engine_starts_stops_everything_and_says_it_never_served(sig, tmp_path):
+def test_a_signal_while_the_engine_starts_stops_everything_and_says_it_never_served(
+    sig, tmp_path, demo_model
+):
     """SIGINT (Ctrl-C) or SIGTERM while vLLM is still starting: the orderly way out,
     whatever the shell did to SIGINT, a summary that says the engine never served, a
     status that names the signal, and no process left behind, not even vLLM's resource
     tracker. (The run above covers stopping under traffic.)"""
     folders = _run_folders()
-    proc, log, port = _start_demo(tmp_path)
+    proc, log, port = _start_demo(tmp_path, demo_model)
     assert _run_folders() - folders  # the server's, holding its sockets
     proc.send_signal(sig)
     code = proc.wait(300)
@@ -208,11 +213,11 @@ def test_a_signal_while_the_engine_starts_stops_everything_and_says_it_never_ser
     until(lambda: procs.port_free(port), "the server's port to be free", 30, 0.1)
 
 
-def test_a_killed_demos_children_stop_by_themselves(tmp_path):
+def test_a_killed_demos_children_stop_by_themselves(tmp_path, demo_model):
     """SIGKILL: the demo stops nothing, the kernel tells its children to (parent-death
     signal), and the server they include stops its engine too; the server's run folder is
     what is left, for the next start's sweep."""
-    proc, _, _ = _start_demo(tmp_path)
+    proc, _, _ = _start_demo(tmp_path, demo_model)
     proc.kill()
     proc.wait()
     until(lambda: not _processes_of(tmp_path), "the killed demo's children to end", 300, 0.5)
