@@ -40,6 +40,7 @@ from typing import Any
 import pandas as pd
 
 from kvlease.dashboard.data import WHATIF_DIR_ENV
+from kvlease.engine.processes import die_with_parent
 from kvlease.exporters.ledger import DB_ENV
 
 MAX_INPUT_BYTES = 256 * 2**20
@@ -149,13 +150,14 @@ class ReplayJob:
         command = [sys.executable, "-m", "kvlease", "replay", *argv]
         command += ["--json", str(self.report_path), "-o", str(self.html_path)]
         env = {**os.environ, **({DB_ENV: usage_db} if usage_db else {})}
+        parent = os.getpid()
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_bound_child,
+                preexec_fn=lambda: _bound_child(parent),
                 start_new_session=True,  # its own group: stop() ends its workers too
             )
         return self
@@ -201,9 +203,11 @@ class ReplayJob:
         return parts[-1] if parts else ""
 
 
-def _bound_child() -> None:
-    """In the child before exec: a CPU-time limit the kernel enforces."""
+def _bound_child(parent: int) -> None:
+    """In the child before exec: a CPU-time limit the kernel enforces, and SIGTERM when
+    the page's process dies (Streamlit killed: no `stop()` runs)."""
     resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_SECONDS, CHILD_CPU_SECONDS + 5))
+    die_with_parent(parent)
 
 
 def _rss(pid: int) -> int:

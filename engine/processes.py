@@ -28,7 +28,8 @@ How a command stops (`supervise`):
    N stopped the command (the child ended as asked, or was killed while starting) or
    ended the child, else the child's own (a failure).
 If the command itself is killed (SIGKILL, OOM), the kernel sends its child SIGTERM
-(Linux's parent-death signal), so the child stops as in 1; the run folder it leaves,
+(Linux's parent-death signal), so the child stops as in 1 (vLLM's engine cores ask for
+the same signal: `stop_with_parent`); the run folder it leaves,
 any process still marked with it and the shared memory it noted are removed by `sweep`
 at the next start of any of these commands. Costs: `members` reads every
 /proc/<pid>/environ it may read, O(the machine's processes), only while stopping,
@@ -53,6 +54,7 @@ from typing import Any
 RUN_DIR_ENV = "KVLEASE_RUN_DIR"  # the run folder of a process's supervising command
 SUPERVISED_ENV = "KVLEASE_SUPERVISED"  # set for the child only: the command it works for
 OWNER_FILE = "owner.pid"  # the supervising command's pid
+CHILD_FILE = "child.pid"  # its child's, which leads the child's process group
 FOLDER_PREFIX = "kvlease-run-"
 LINGER = 10.0  # seconds the rest of a tree has to end after the child has
 STARTING_STOP = 10.0  # seconds a child not ready yet has to end once asked to
@@ -167,7 +169,12 @@ def sweep(root: str | None = None) -> list[Path]:
         owner = _pid(folder / OWNER_FILE)
         if owner is None or _alive(owner):
             continue
-        kill_tree(folder)
+        # Its child's process group holds vLLM's renamed engine processes. The id cannot
+        # be reused while any member lives; a live leader without the mark is another's.
+        leader = _pid(folder / CHILD_FILE)
+        if leader is not None and _alive(leader) and leader not in members(folder):
+            leader = None
+        kill_tree(folder, leader)
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed
@@ -225,6 +232,7 @@ class _Child:
 
     def run(self, argv: Sequence[str], env: dict[str, str]) -> int:
         self.proc = start_child(argv, env)
+        (self.folder / CHILD_FILE).write_text(str(self.proc.pid))
         if self.received:  # a signal came while it was starting
             self._forward(self.received[0])
         code = self.proc.wait()
@@ -296,6 +304,16 @@ def die_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def stop_with_parent() -> None:
+    """In a process vLLM starts in a supervised tree (its engine core): SIGTERM when its
+    parent dies. Without it an engine core outlives a killed API server for good (vLLM
+    watches only the other way: its workers follow the engine core by a death pipe),
+    and once vLLM renames it, its run-folder mark may no longer show in /proc. Nothing
+    outside a supervised tree (plain `vllm serve` keeps vLLM's behaviour)."""
+    if os.environ.get(RUN_DIR_ENV):
+        die_with_parent(os.getppid())
 
 
 def _reap_orphans() -> None:

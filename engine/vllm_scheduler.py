@@ -54,7 +54,7 @@ from vllm.v1.core.sched.request_queue import (  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvlease.engine import snapshot  # noqa: E402
+from kvlease.engine import processes, snapshot  # noqa: E402
 from kvlease.engine.channel import Publisher  # noqa: E402
 from kvlease.engine.events import (  # noqa: E402
     NO_CAUSE,
@@ -268,6 +268,7 @@ class TenantSchedulingMixin(_SchedulerBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        processes.stop_with_parent()  # this engine core ends with the process that started it
         additional = self.vllm_config.additional_config
         settings = SchedulerSettings.load(additional if isinstance(additional, dict) else None)
         model_name = self.vllm_config.model_config.served_model_name

@@ -25,6 +25,15 @@ def parent_of(pid: int) -> int | None:
     return int(fields[1]) if fields else None
 
 
+def group(pgid: int) -> list[int]:
+    """The processes of process group `pgid`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[2]) == pgid:
+            out.append(int(entry.name))
+    return out
+
+
 def children(pid: int, marked: bytes = b"") -> list[int]:
     """`pid`'s children (whose command line holds `marked`)."""
     out = []

@@ -67,10 +67,15 @@ class Server:
         return run_folder(self.proc.pid, "serve")
 
     def tree(self) -> list[int]:
-        """Every live process of the server: its supervisor and what that started."""
+        """Every live process of the server: its supervisor and what that started (by the
+        run folder's mark, and by its child's process group: vLLM's renamed engine
+        processes may no longer show the mark)."""
         folder = self.folder()
-        marked = processes.members(folder) if folder else []
-        return ([self.proc.pid] if self.proc.poll() is None else []) + marked
+        marked = set(processes.members(folder)) if folder else set()
+        child = folder / processes.CHILD_FILE if folder else None
+        if child is not None and child.exists():
+            marked.update(procs.group(int(child.read_text())))
+        return ([self.proc.pid] if self.proc.poll() is None else []) + sorted(marked)
 
     def api_pid(self) -> int:
         """The API server process: the supervised child of `kvlease serve`."""

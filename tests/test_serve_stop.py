@@ -1,14 +1,15 @@
 """`kvlease serve` stops with everything vLLM started and leaves nothing behind
 (kvlease.engine.processes), through the real processes: SIGINT and SIGTERM end the API
 server, engine core, worker and resource tracker, remove the run folder that held vLLM's
-and kvlease's sockets, and free the port; after a SIGKILL the next start on the same
-port succeeds and removes what the killed one left; a signal while the engine starts
-stops it too. (A crash of every process at once, and the shared memory it leaves, is in
-tests/test_ledger_crash.py.) (The data-parallel server's stop is
-the last test of tests/test_scale_out.py, on its fleet.)"""
+and kvlease's sockets, and free the port; a signal while the engine starts stops it
+too; after a SIGKILL (with its API server) vLLM's engine ends by itself, and the next
+start on the same port succeeds and removes what the killed one left. (A crash of every
+process at once, and the shared memory it leaves: tests/test_ledger_crash.py; the
+data-parallel server's stop: the last test of tests/test_scale_out.py, on its fleet.)"""
 
 from __future__ import annotations
 
+import os
 import signal
 import tempfile
 from pathlib import Path
@@ -82,15 +83,18 @@ def test_a_signal_while_the_engine_starts_stops_it_with_the_signals_status(
 def test_after_a_kill_the_next_start_on_the_port_cleans_up_and_stops_on_sigterm(
     demo_model, kvlease_home, tmp_path, port
 ):
+    """SIGKILL to `kvlease serve` and its API server at once (an OOM kill): vLLM's engine
+    core, which vLLM never told to follow its API server, ends by itself (it outlived it
+    for good, holding 1.3 GB with its worker), the worker with it."""
     before = _sockets()
     killed = kvlease_serve(kvlease_home, tmp_path / "killed.log", port=port)
-    folder, tree = killed.folder(), killed.tree()
+    folder, tree, api = killed.folder(), killed.tree(), killed.api_pid()
+    assert any("VLLM::EngineCore" in procs.cmdline(p) for p in tree)
     killed.proc.kill()  # SIGKILL: kvlease serve cleans nothing
+    os.kill(api, signal.SIGKILL)  # nor does the API server
     killed.proc.wait()
-    # The kernel told the server to stop (parent-death signal): it drains and ends its
-    # engine by itself; its run folder, with the sockets, is what the crash leaves.
     until(lambda: not procs.running(tree), "the killed server's processes to end", HANG)
-    assert folder is not None and any(p.is_socket() for p in folder.iterdir())
+    assert folder is not None and any(p.is_socket() for p in folder.iterdir())  # left
     again = kvlease_serve(kvlease_home, tmp_path / "again.log", port=port)
     try:
         assert f"removed {folder}" in again.log.read_text()

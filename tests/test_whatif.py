@@ -10,10 +10,12 @@ from datetime import date
 from decimal import Decimal
 from pathlib import Path
 
+import procs
 from records import NOV, rec
 from waiting import until
 
 from kvlease.dashboard import usage, whatif
+from kvlease.demo.workload import WorkloadSpec, generate, save_trace
 from kvlease.exporters.ledger import UsageLedger
 
 
@@ -113,3 +115,41 @@ def test_a_job_no_page_polls_is_stopped_with_its_child():
     assert watched.folder.exists() and watched.process.poll() is None
     watched.stop()
     assert watched.process.returncode is not None
+
+
+# A page's process (Streamlit's, here a plain one) that starts a What if replay through
+# the real ReplayJob, says the replay's pid, and waits to be killed.
+HOST = """
+import sys, time
+from kvlease.dashboard import whatif
+job = whatif.ReplayJob().start(["--trace", sys.argv[1], "--model", sys.argv[2], "--quiet"])
+print(job.process.pid, job.report_path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_pages_replay_and_its_workers_stop_by_themselves(tmp_path, demo_model):
+    """Streamlit killed (no `stop()`, no atexit): the kernel tells the replay to stop
+    (parent-death signal), and the replay ends its workers; before, it ran to its end."""
+    trace = tmp_path / "trace.csv"
+    spec = WorkloadSpec.for_tenants(11, duration=3600.0, sessions_per_second=2.0)  # hours of work
+    save_trace(generate(spec), trace)
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST, str(trace), demo_model], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert host.stdout is not None
+        pid, report = host.stdout.readline().split()
+        replay = int(pid)
+
+        def two_workers() -> bool:
+            assert procs.running([replay]), "the replay ended first"
+            return len(procs.children(replay, b"spawn_main")) == 2
+
+        until(two_workers, "the replay's two workers", 300, 0.1)
+        workers = procs.children(replay, b"spawn_main")
+    finally:
+        host.kill()
+        host.wait()
+    until(lambda: not procs.running([replay, *workers]), "the replay to end", 300, 0.1)
+    assert not Path(report).exists()  # stopped, not run to its end (about 80 s of work)
