@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,14 +153,18 @@ class ReplayJob:
         env = {**os.environ, **({DB_ENV: usage_db} if usage_db else {})}
         parent = os.getpid()
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
+            # Started from the one launcher thread, which lives as long as this process:
+            # the kernel's parent-death signal follows the thread that started a child,
+            # and Streamlit's script thread ends after each run of the page.
+            self.process = _LAUNCHER.submit(
+                subprocess.Popen,
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 preexec_fn=lambda: _bound_child(parent),
                 start_new_session=True,  # its own group: stop() ends its workers too
-            )
+            ).result()
         return self
 
     def poll(self) -> tuple[str, Any]:
@@ -201,6 +206,9 @@ class ReplayJob:
             return ""
         parts = [p.strip() for p in text.replace("\r", "\n").split("\n") if p.strip()]
         return parts[-1] if parts else ""
+
+
+_LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="kvlease-whatif-launcher")
 
 
 def _bound_child(parent: int) -> None:

@@ -9,7 +9,8 @@ found by it (`members`), whatever parent or process group its processes end up w
 (vLLM's resource tracker, data-parallel coordinator and API processes; Streamlit and
 its What if replays), and by the child's process group (vLLM's engine cores and
 workers rename themselves, which hides their environment); every temporary file the
-tree makes (vLLM's ZMQ sockets, kvlease's channel sockets, What if folders) lands in the folder.
+tree makes (vLLM's ZMQ sockets, kvlease's channel sockets, What if folders) lands in
+the folder.
 `kvlease demo` and `kvlease replay` work in their own process: `interrupt_on_signals`
 gives SIGTERM the orderly way out Ctrl-C takes, and each process they start gets
 `die_with_parent`.
@@ -29,9 +30,9 @@ How a command stops (`supervise`):
    ended the child, else the child's own (a failure).
 If the command itself is killed (SIGKILL, OOM), the kernel sends its child SIGTERM
 (Linux's parent-death signal), so the child stops as in 1 (vLLM's engine cores ask for
-the same signal: `stop_with_parent`); the run folder it leaves,
-any process still marked with it and the shared memory it noted are removed by `sweep`
-at the next start of any of these commands. Costs: `members` reads every
+the same signal: `stop_with_parent`); the run folder it leaves, any process still
+marked with it or in its child's process group, and the shared memory it noted are
+removed by `sweep` at the next start of any of these commands. Costs: `members` reads every
 /proc/<pid>/environ it may read, O(the machine's processes), only while stopping,
 sweeping and once at `mark_ready`.
 """
@@ -130,11 +131,9 @@ def _group(pgid: int) -> list[int]:
     shows of their environment)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text()  # pid (comm) state ppid pgrp ...
-            if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            fields = _stat(int(entry.name))
+            if fields is not None and int(fields[2]) == pgid:
                 found.append(int(entry.name))
     return found
 
@@ -146,8 +145,8 @@ def _note_shared_memory(folder: Path, pids: Sequence[int]) -> None:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
                 path = line.split(maxsplit=5)[-1]
-                if path.startswith("/dev/shm/"):
-                    found.add(path.removesuffix(" (deleted)"))
+                if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+                    found.add(path)
     if found:
         with contextlib.suppress(OSError), (folder / SHARED_MEMORY_FILE).open("a") as f:
             f.writelines(f"{path}\n" for path in sorted(found))
@@ -333,10 +332,16 @@ def _pid(path: Path) -> int | None:
         return None
 
 
+def _stat(pid: int) -> list[str] | None:
+    """`pid`'s /proc fields after its command name (state, parent, process group, ...);
+    None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, dead but not yet collected by its parent, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
