@@ -26,8 +26,8 @@ How a command stops (`supervise`):
 4. The shared memory the tree had mapped (/dev/shm: vLLM's ring buffers and
    semaphores, which only an orderly exit unlinks), as noted at `mark_ready` and before
    any kill, is unlinked, and the run folder removed. The status is 128 + N when signal
-   N stopped the command (the child ended as asked, or was killed while starting) or
-   ended the child, else the child's own (a failure).
+   N stopped the command (the child ended as asked, or was asked while starting,
+   however it ended) or ended the child, else the child's own (a failure).
 If the command itself is killed (SIGKILL, OOM), the kernel sends its child SIGTERM
 (Linux's parent-death signal), so the child stops as in 1 (vLLM's engine cores ask for
 the same signal: `stop_with_parent`); the run folder it leaves, any process still
@@ -206,7 +206,7 @@ class _Child:
         self.proc: subprocess.Popen[bytes] | None = None
         self.received: list[int] = []
         self.timer: threading.Timer | None = None
-        self.starting_killed = False  # the deadline ended it before it was ready
+        self.asked_while_starting = False  # the first signal came before it was ready
 
     def stop(self, signum: int, _frame: object) -> None:
         self.received.append(signum)
@@ -218,16 +218,11 @@ class _Child:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signum)
         if self.timer is None:  # the deadline runs from the first signal
-            starting = not (self.folder / READY_FILE).exists()
+            starting = self.asked_while_starting = not (self.folder / READY_FILE).exists()
             deadline = min(self.deadline, STARTING_STOP) if starting else self.deadline
-            self.timer = threading.Timer(deadline, self._expire, (starting,))
+            self.timer = threading.Timer(deadline, kill_tree, (self.folder, self.proc.pid))
             self.timer.daemon = True
             self.timer.start()
-
-    def _expire(self, starting: bool) -> None:
-        assert self.proc is not None
-        self.starting_killed = starting
-        kill_tree(self.folder, self.proc.pid)
 
     def run(self, argv: Sequence[str], env: dict[str, str]) -> int:
         self.proc = start_child(argv, env)
@@ -241,8 +236,8 @@ class _Child:
         return code
 
     def status(self, code: int) -> int:
-        if self.starting_killed:  # asked to stop while starting, and stopped
-            return 128 + self.received[0]
+        if self.asked_while_starting:  # it stopped as asked, however its start unwound
+            return 128 + self.received[0]  # (vLLM may raise anything on the way out)
         if code < 0:  # a signal ended it (sent to it, or the deadline's SIGKILL)
             return 128 - code
         if self.received and code in (0, 128 + self.received[0]):
