@@ -181,6 +181,17 @@ class FairShare:
             if not a.requests and a.counter == counter and self.accounts.get(a.tenant) is a:
                 del self.accounts[a.tenant]
 
+    def forget(self) -> None:
+        """Forget every tenant's counter, as a freshly started server knows none (between
+        benchmark runs and tests sharing an engine); the books since the last settlement
+        stay. Only with nothing in flight: a counter in use cannot be forgotten."""
+        if any(a.requests for a in self.accounts.values()):
+            raise ValueError("fair share cannot forget counters while requests are in flight")
+        self.accounts.clear()
+        self.floor = 0.0
+        self._heap.clear()
+        self._idle.clear()
+
     def shares(self) -> dict[str, tuple[float, float, float]]:
         """Per tenant backlogged at some time since the last `settle()`: its counter, the
         service it received while backlogged, and its entitlement over the same time: its

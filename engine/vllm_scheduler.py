@@ -1014,10 +1014,14 @@ class TenantSchedulingMixin(_SchedulerBase):
         return result
 
     def forget_history(self) -> None:
-        """Forget the think times sessions have shown and what reservations returned, as a
-        freshly started server knows neither (benchmark runs and tests sharing an engine)."""
+        """Forget the think times sessions have shown, what reservations returned and the
+        tenants' fair-share counters, as a freshly started server knows none of them
+        (benchmark runs and tests sharing an engine: a counter left from an earlier run
+        reorders the next one). Only between runs, with nothing in flight."""
         kv = self.kvlease
         kv.returns = ReturnModel()
+        for share in kv.shares.values():
+            share.forget()
         queue = kv.free_queue
         kv.payback.forget()
         kv.payback.rebase(queue.reserved_left, queue.reserved_reused)
