@@ -20,9 +20,11 @@ blocks), `no-admission` (a waiting higher tier never preempts running lower-tier
 by class), `lru` (the seed's victim rule) and `no-payback` (reservation caps stay at the
 tier table's, kvlease.engine.payback); and `kvlease-quiet`, kvlease with all
 telemetry off, for the cost of telemetry. Every
-way but `alone` plays the trace `--repeats` times, in an order rotated each round,
-and its wall time is the median (the step figures are the same every time). An
-in-process engine with the demo model starts in a few seconds.
+way but `alone` plays the trace `--repeats` times, all ways at once, one engine step
+of each in turn (`play_together`: this machine's speed drifts too much for ways played
+one after the other to compare), first way rotated each round; its wall time is the
+median (the step figures are the same every time). An in-process engine with the demo
+model starts in a few seconds.
 
 Two clocks. Requests arrive at fixed engine steps (bench/workload.StepTrace)
 and kvlease's lease clock follows the steps (`--steps-per-second`), so step
@@ -41,6 +43,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +100,35 @@ def play(
     engine: Engine, turns: list[Turn], way: str, steps_per_second: float, tiers: TierTable
 ) -> Run:
     """Replay `turns` on `engine` step by step; idle stretches are skipped, not stepped."""
+    return play_together([(engine, way)], turns, steps_per_second, tiers)[0]
+
+
+def play_together(
+    ways: list[tuple[Engine, str]], turns: list[Turn], steps_per_second: float, tiers: TierTable
+) -> list[Run]:
+    """Replay `turns` on every engine at once, one engine step of each way in turn.
+
+    This machine's speed drifts by a third within minutes (the same way's run took 9.9 s
+    and 14.7 s in one process). Played one after the other, a way's wall time says
+    more about the minute it ran in than about its scheduler; interleaved step by step,
+    every way meets the same drift, so their wall ratios are comparable. Each way's
+    wall time is still only its own steps, and its step figures are its own."""
+    plays = [_playing(engine, turns, way, steps_per_second, tiers) for engine, way in ways]
+    runs: list[Run | None] = [None] * len(plays)
+    while any(run is None for run in runs):
+        for i, playing in enumerate(plays):
+            if runs[i] is None:
+                try:
+                    next(playing)
+                except StopIteration as done:
+                    runs[i] = done.value
+    return runs  # type: ignore[return-value]  # every entry is a Run once the loop ends
+
+
+def _playing(
+    engine: Engine, turns: list[Turn], way: str, steps_per_second: float, tiers: TierTable
+) -> Generator[None, None, Run]:
+    """`play` for one engine, yielding after each engine step."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -156,6 +188,7 @@ def play(
                 if telemetry is not None:
                     telemetry.request_done(out.request_id)
         step += 1
+        yield
     while scheduler.has_requests():  # hand vLLM's last finished ids to the model runner
         llm.step()
     busy = scheduler.bench.steps
@@ -335,9 +368,11 @@ def main() -> int:
     _progress("alone", ways["alone"])
     order = ["fcfs", "priority", "kvlease", "kvlease-quiet", *ABLATIONS]
     walls: dict[str, list[float]] = defaultdict(list)
-    for i in range(repeats):
-        for name in order[i % len(order) :] + order[: i % len(order)]:
-            result = summarize(play(engines[name], turns, name, sps, tiers), tiers, caps)
+    for i in range(repeats):  # every way at once, step by step, first in turn (play_together)
+        rotated = order[i % len(order) :] + order[: i % len(order)]
+        runs = play_together([(engines[name], name) for name in rotated], turns, sps, tiers)
+        for name, run in zip(rotated, runs, strict=True):
+            result = summarize(run, tiers, caps)
             walls[name].append(result["wall_seconds"])
             if i == 0:
                 ways[name] = result
