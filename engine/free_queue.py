@@ -60,9 +60,9 @@ class Holder:
     """The owner of freed cached blocks: one tenant session (or tenant).
 
     The scheduler keeps one Holder per session, sets `protected` while the session's
-    lease runs and clears `reserving` when its reservation window closes. The queue
-    keeps the block counts current, so per-tenant occupancy is read off holders in
-    O(holders), not O(blocks).
+    lease runs, and `reserving` from the end of a turn until its reservation window
+    closes. The queue keeps the block counts current, so per-tenant occupancy is read
+    off holders in O(holders), not O(blocks).
     """
 
     tenant_id: str | None
@@ -70,7 +70,11 @@ class Holder:
     session_id: str | None
     lease_index: int | None  # its tier among the leasing tiers (0: least important)
     protected: bool = False
-    reserving: bool = True  # while protected: its freed blocks are RESERVED, not RETAINED
+    # Inside a reservation window: its freed blocks are RESERVED, not RETAINED. A window
+    # opens only when the session's last request in flight ends (the scheduler's
+    # `_end_turn`): blocks freed while the turn runs (a preemption, a sibling request
+    # finishing) wait for no return, so they are only retained.
+    reserving: bool = False
     reserved_until: float = math.inf  # when its reservation window closes (the scheduler's)
     in_flight: int = 0  # requests of this session in the engine
     deferred: int = 0  # its block frees vLLM has put off (connectors, in-flight steps)

@@ -95,8 +95,8 @@ def test_leased_prefixes_are_evicted_only_after_every_unleased_block():
 def test_at_the_tier_cap_the_newest_reserved_blocks_stay_and_the_oldest_are_retained():
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=[2])
-    old = Holder("acme", "premium", "s1", 0, protected=True)
-    new = Holder("acme", "premium", "s2", 0, protected=True)
+    old = Holder("acme", "premium", "s1", 0, protected=True, reserving=True)
+    new = Holder("acme", "premium", "s2", 0, protected=True, reserving=True)
     queue.owner = old
     queue.append_n(_taken(queue, blocks, range(3)))
     queue.check()
@@ -158,12 +158,12 @@ def test_replacing_keeps_vllms_order():
 
 def _leased_queue(caps=(4, 6), retains=True):
     """A queue whose blocks 0..N-1 are free; `standard` is leasing tier 0 and `premium`
-    tier 1 (least important first)."""
+    tier 1 (least important first), both between turns inside their reservation window."""
     blocks = _blocks(hashed=range(N))
     queue = TenantFreeBlockQueue(blocks, N, leased_caps=list(caps), retains=retains)
     holders = {
-        "standard": Holder("s", "standard", "s1", 0, protected=True),
-        "premium": Holder("p", "premium", "p1", 1, protected=True),
+        "standard": Holder("s", "standard", "s1", 0, protected=True, reserving=True),
+        "premium": Holder("p", "premium", "p1", 1, protected=True, reserving=True),
     }
     return blocks, queue, holders
 
@@ -172,6 +172,19 @@ def _free_as(queue, blocks, holder, ids):
     queue.owner = holder
     queue.append_n([blocks[i] for i in ids])
     queue.owner = None
+
+
+def test_blocks_freed_before_a_reservation_window_opens_are_only_retained():
+    """A leased session's turn still runs (a preempted request, or one of several in
+    flight): nobody is waiting to come back for what it frees, so nothing is reserved."""
+    blocks, queue, _ = _leased_queue()
+    in_turn = Holder("p", "premium", "p1", 1, protected=True)
+    queue.popleft_n(N)
+    _free_as(queue, blocks, in_turn, [0, 1, 2])
+    queue.check()
+    assert (in_turn.leased, in_turn.reserved) == (3, 0)
+    queue.reserve(0)  # a free-tier request may take them, after every unleased block
+    assert queue.num_free_blocks == 3
 
 
 def test_a_reservation_hides_the_more_important_leases_from_count_and_pop():
