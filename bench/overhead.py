@@ -20,8 +20,9 @@ steady state of prefills and decodes with `n` requests running at most
   reservations take from the requests scheduled per step, and a fifth, untimed,
   kvlease with every mechanism off (EVERY_MECHANISM_OFF), what is left of the gap.
 Requests come from 32 tenants in the three tiers (1:3:8), one session each.
-The schedulers (stock, kvlease, and stock again for the noise floor) are timed in
-turn, each going first in turn, `--repeats` times, with the heap
+The schedulers (stock, kvlease, and stock again for the noise floor) are timed
+together, one step of each in turn (the machine's speed drifts within a run; so
+every scheduler meets the same drift), each going first in turn, `--repeats` times, with the heap
 frozen for the garbage collector as vLLM's EngineCore freezes it after start;
 each figure is the fastest repeat's mean step, as timeit reports. Results: bench/results/overhead.*
 """
@@ -67,6 +68,13 @@ class Load:
     def __init__(self, scheduler: Any, n: int) -> None:
         self.scheduler, self.target = scheduler, n + n // 4
         self.sent: list[Any] = []  # every request, to count preemptions at the end
+        self.busy = 0.0  # seconds this scheduler has spent in its own steps
+        if hasattr(scheduler, "kvlease"):
+            # kvlease's clock is its own busy time: what it does every so many seconds
+            # (the occupancy sample) comes as often a step as on an engine running alone,
+            # however many schedulers take turns with it.
+            origin = scheduler.kvlease.clock()
+            scheduler.kvlease.clock = lambda: origin + self.busy
         self.top_up()
 
     def top_up(self) -> None:
@@ -101,14 +109,23 @@ def pool_with_lease_room(live_blocks: int) -> int:
 
 def time_steps(load: Load, steps: int) -> tuple[float, float]:
     """Mean seconds per step, and the mean number of requests scheduled in them."""
-    scheduled, seconds = 0, 0.0
+    return time_together([load], steps)[0]
+
+
+def time_together(loads: list[Load], steps: int) -> list[tuple[float, float]]:
+    """`time_steps` for every load at once, one step of each in turn: this machine's
+    speed drifts within a run, and interleaved, every scheduler meets the same drift."""
+    scheduled, seconds = [0] * len(loads), [0.0] * len(loads)
     for _ in range(steps):
-        started = time.perf_counter()
-        out, _ = step(load.scheduler)
-        seconds += time.perf_counter() - started
-        scheduled += len(out.num_scheduled_tokens)
-        load.top_up()
-    return seconds / steps, scheduled / steps
+        for i, load in enumerate(loads):
+            started = time.perf_counter()
+            out, _ = step(load.scheduler)
+            took = time.perf_counter() - started
+            seconds[i] += took
+            load.busy += took
+            scheduled[i] += len(out.num_scheduled_tokens)
+            load.top_up()
+    return [(seconds[i] / steps, scheduled[i] / steps) for i in range(len(loads))]
 
 
 def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dict[str, Any]:
@@ -132,8 +149,9 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
     scheduled = {name: 0.0 for name in classes}
     names = list(classes)
     for i in range(repeats):
-        for name in names[i % len(names) :] + names[: i % len(names)]:  # each first in turn
-            seconds, scheduled[name] = time_steps(loads[name], steps)
+        rotated = names[i % len(names) :] + names[: i % len(names)]  # each first in turn
+        timed = time_together([loads[name] for name in rotated], steps)
+        for name, (seconds, scheduled[name]) in zip(rotated, timed, strict=True):
             best[name] = min(best[name], seconds)
     if pressure:  # not timed: only how many requests it schedules
         off = build(TenantAwareScheduler, model, n, pressure, EVERY_MECHANISM_OFF)
