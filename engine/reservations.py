@@ -9,7 +9,7 @@ by eviction order alone (the RETAINED segments of kvlease.engine.free_queue).
 
 The rule, per tier (`reserve` in the tier table):
   never   no reservation: leases protect by eviction order only.
-  lease   the reservation lasts as long as the lease (kvlease before issue 30).
+  lease   the reservation lasts as long as the lease.
   auto    when a session's turn ends at t, its blocks are reserved until t + w, with
 
               p = (returns + 1) / (turns + 2)              its return rate (Laplace)
@@ -26,7 +26,9 @@ The rule, per tier (`reserve` in the tier table):
           nothing, and a session that answers within seconds is reserved for seconds,
           not for the 300 s of its lease.
 
-The window never outlives the lease, and the caps bound what is reserved at once
+Only the end of a turn opens a window: what a session frees while its turn still runs
+(a preempted request, one of several in flight finishing) waits for no return, so it is
+only retained. The window never outlives the lease, and the caps bound what is reserved at once
 (kvlease.engine.policy.lease_caps_error), so a request that fits the unreserved pool never
 waits for a reservation. Plain Python; nothing here imports vLLM.
 

@@ -506,6 +506,30 @@ def test_a_premium_turn_is_reserved_for_its_window_then_retained_until_its_lease
     assert (holder.leased, holder.cached) == (0, 4)
 
 
+def test_blocks_a_session_frees_while_its_turn_still_runs_are_retained_not_reserved(
+    demo_model,
+):
+    """Two requests of one premium session in flight: the short one's blocks wait for
+    no return while the long one runs, so lower tiers are not kept from them; the turn's
+    end (the long one finishing) opens the reservation window for what it frees."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.kvlease.clock = clock = ManualClock()
+    short = make_request("pam", "premium", 0, 2, session="c", prompt=_conversation(70, seed=5))
+    long = make_request("pam", "premium", 0, 40, session="c", prompt=_conversation(70, seed=6))
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    holder = scheduler.kvlease.holders[("pam", "c")]
+    while long.request_id in scheduler.requests:
+        clock.now += 1.0
+        step(scheduler)
+        scheduler.kvlease.free_queue.check()
+        if short.request_id not in scheduler.requests and long.request_id in scheduler.requests:
+            assert (holder.leased, holder.reserved) == (2, 0)  # short's 2 full blocks
+    # long's 110 tokens: 3 full blocks, reserved; short's, which the turn's last request
+    # did not reuse, are stale prefixes from then on: plain cached blocks
+    assert (holder.leased, holder.reserved, holder.cached) == (3, 3, 2)
+
+
 def test_one_shot_sessions_reserve_nothing_once_their_tenant_has_shown_they_never_return(
     demo_model,
 ):
