@@ -13,18 +13,20 @@ steady state of prefills and decodes with `n` requests running at most
 - no pressure: the pool holds every request at its largest (4 blocks), beside
   every tier's leases at their caps (both schedulers);
 - pressure: the pool holds 3 blocks per running request, so growing requests
-  are preempted every few steps and re-admitted. kvlease's leases reserve part
-  of it from lower tiers, so it runs fewer requests per step than stock here:
+  are preempted every few steps and re-admitted. kvlease's leases may reserve part
+  of it from lower tiers, so it may run fewer requests per step than stock here:
   the ratio per scheduled request compares the cost of the same work. A fourth
   scheduler, kvlease with nothing reserved (`reserve = never`), shows what the
-  reservations take from the requests scheduled per step, and a fifth, untimed,
+  reservations take from the requests scheduled per step, and an untimed one,
   kvlease with every mechanism off (EVERY_MECHANISM_OFF), what is left of the gap.
+  Without pressure a fifth, kvlease without eviction attribution (`unattributed`),
+  shows what naming whose allocation evicts costs.
 Requests come from 32 tenants in the three tiers (1:3:8), one session each.
 The schedulers (stock, kvlease, and stock again for the noise floor) are timed
-together, one step of each in turn (the machine's speed drifts within a run; so
-every scheduler meets the same drift), each going first in turn, `--repeats` times, with the heap
-frozen for the garbage collector as vLLM's EngineCore freezes it after start;
-each figure is the fastest repeat's mean step, as timeit reports. Results: bench/results/overhead.*
+together, one step of each in turn, so every one meets the same drift of the
+machine's speed, each going first in turn, `--repeats` times, with the heap frozen
+for the garbage collector as vLLM's EngineCore freezes it after start; each figure
+is the fastest repeat's mean step, as timeit reports. Results: bench/results/overhead.*
 """
 
 from __future__ import annotations

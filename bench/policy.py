@@ -1,6 +1,6 @@
 """Policy benchmark: one multi-tenant trace through the real vLLM engine, four ways.
 
-    python -m bench.policy            # the 60 s trace (bench/workload.py), ~8 min here
+    python -m bench.policy            # the 60 s trace (bench/workload.py), ~15 min here
     python -m bench.policy --quick    # a 12 s trace: the CI smoke test, ~1.5 min
     python -m bench.policy --one-shot # every session used once (bench/workload.ONE_SHOT_SPEC)
     python -m bench.policy --trace FILE [--pool-blocks N] [--steps-per-second S]
