@@ -165,13 +165,18 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
     scheduled = {name: 0.0 for name in classes}
     names = list(classes)
     for i in range(repeats):
-        rotated = names[i % len(names) :] + names[: i % len(names)]  # each first in turn
+        rotated = report.rotated(names, i)
         timed = time_together([loads[name] for name in rotated], steps)
         for name, (seconds, scheduled[name]) in zip(rotated, timed, strict=True):
             best[name] = min(best[name], seconds)
     if pressure:  # not timed: only how many requests it schedules
         off = build(TenantAwareScheduler, model, n, pressure, EVERY_MECHANISM_OFF)
         scheduled["kvlease-off"] = time_steps(off, steps)[1]
+
+    def per_request(name: str) -> float:
+        """`name`'s time per scheduled request over stock's."""
+        return (best[name] / scheduled[name]) / (best["stock"] / scheduled["stock"])
+
     return {
         "running": n,
         "pressure": pressure,
@@ -179,19 +184,10 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         "stock_us": best["stock"] * 1e6,
         "kvlease_us": best["kvlease"] * 1e6,
         "ratio": best["kvlease"] / best["stock"],
-        "ratio_per_request": (best["kvlease"] / scheduled["kvlease"])
-        / (best["stock"] / scheduled["stock"]),
+        "ratio_per_request": per_request("kvlease"),
         "stock_again_ratio": best["stock-again"] / best["stock"],
-        "unreserved_ratio_per_request": (
-            best["kvlease-unreserved"] / scheduled["kvlease-unreserved"]
-        )
-        / (best["stock"] / scheduled["stock"]),
-        "unattributed_ratio_per_request": (
-            best["kvlease-unattributed"] / scheduled["kvlease-unattributed"]
-        )
-        / (best["stock"] / scheduled["stock"])
-        if not pressure
-        else None,
+        "unreserved_ratio_per_request": per_request("kvlease-unreserved"),
+        "unattributed_ratio_per_request": None if pressure else per_request("kvlease-unattributed"),
         "requests_sent": {k: len(load.sent) for k, load in loads.items()},
         "preemptions": {k: load.preemptions() for k, load in loads.items()},
     }

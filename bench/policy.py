@@ -369,7 +369,7 @@ def main() -> int:
     order = ["fcfs", "priority", "kvlease", "kvlease-quiet", *ABLATIONS]
     walls: dict[str, list[float]] = defaultdict(list)
     for i in range(repeats):  # every way at once, step by step, first in turn (play_together)
-        rotated = order[i % len(order) :] + order[: i % len(order)]
+        rotated = report.rotated(order, i)
         runs = play_together([(engines[name], name) for name in rotated], turns, sps, tiers)
         for name, run in zip(rotated, runs, strict=True):
             result = summarize(run, tiers, caps)

@@ -38,6 +38,12 @@ def stats(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def rotated(names: Sequence[str], round_: int) -> list[str]:
+    """`names` starting at the `round_`-th, wrapping: over rounds, each goes first in turn."""
+    i = round_ % len(names)
+    return [*names[i:], *names[:i]]
+
+
 def write(out: Path, name: str, result: dict[str, Any], markdown: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
