@@ -19,8 +19,6 @@ steady state of prefills and decodes with `n` requests running at most
   scheduler, kvlease with nothing reserved (`reserve = never`), shows what the
   reservations take from the requests scheduled per step, and an untimed one,
   kvlease with every mechanism off (EVERY_MECHANISM_OFF), what is left of the gap.
-  Without pressure a fifth, kvlease without eviction attribution (`unattributed`),
-  shows what naming whose allocation evicts costs.
 Requests come from 32 tenants in the three tiers (1:3:8), one session each.
 The schedulers (stock, kvlease, and stock again for the noise floor) are timed
 together, one step of each in turn, so every one meets the same drift of the
@@ -130,18 +128,6 @@ def time_together(loads: list[Load], steps: int) -> list[tuple[float, float]]:
     return [(seconds[i] / steps, scheduled[i] / steps) for i in range(len(loads))]
 
 
-def unattributed(cls: type) -> type:
-    """`cls` calling vLLM's own `allocate_slots` in every step, without the wrapper that
-    names whose allocation evicts a cached block (what that attribution costs). Only
-    without pressure: there the wrapper decides nothing, so the work is the same."""
-
-    class Unattributed(cls):
-        def _choose_allocator(self) -> None:
-            self.kv_cache_manager.allocate_slots = self.kvlease.allocate
-
-    return Unattributed
-
-
 def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dict[str, Any]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -156,8 +142,6 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         "stock-again": (Scheduler, None),
         "kvlease-unreserved": (TenantAwareScheduler, {"reserve": "never"}),
     }
-    if not pressure:
-        classes["kvlease-unattributed"] = (unattributed(TenantAwareScheduler), None)
     loads = {name: build(cls, model, n, pressure, kv) for name, (cls, kv) in classes.items()}
     gc.collect()
     gc.freeze()  # as vLLM's EngineCore does once started: full collections skip this heap
@@ -187,7 +171,6 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         "ratio_per_request": per_request("kvlease"),
         "stock_again_ratio": best["stock-again"] / best["stock"],
         "unreserved_ratio_per_request": per_request("kvlease-unreserved"),
-        "unattributed_ratio_per_request": None if pressure else per_request("kvlease-unattributed"),
         "requests_sent": {k: len(load.sent) for k, load in loads.items()},
         "preemptions": {k: load.preemptions() for k, load in loads.items()},
     }
@@ -264,13 +247,12 @@ def markdown(result: dict) -> str:
     lines = [
         "| requests | pressure | scheduled per step (stock / kvlease / kvlease, nothing "
         "reserved / every mechanism off) | stock us/step | kvlease us/step | ratio per step "
-        "| ratio per scheduled request (nothing reserved; no eviction attribution) "
+        "| ratio per scheduled request (nothing reserved) "
         "| noise floor: stock / stock |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         off = r["scheduled_per_step"].get("kvlease-off")
-        plain = r.get("unattributed_ratio_per_request")
         lines.append(
             f"| {r['running']:,} | {'yes' if r['pressure'] else 'no'} | "
             f"{r['scheduled_per_step']['stock']:.0f} / {r['scheduled_per_step']['kvlease']:.0f}"
@@ -278,7 +260,7 @@ def markdown(result: dict) -> str:
             f" / {'-' if off is None else f'{off:.0f}'}"
             f" | {r['stock_us']:.0f} | "
             f"{r['kvlease_us']:.0f} | {r['ratio']:.3f} | {r['ratio_per_request']:.3f} "
-            f"({r['unreserved_ratio_per_request']:.3f}; {'-' if plain is None else f'{plain:.3f}'})"
+            f"({r['unreserved_ratio_per_request']:.3f})"
             f" | {r['stock_again_ratio']:.3f} |"
         )
     return "\n".join(lines) + "\n\n" + report.targets_table(result["targets"]) + "\n"

@@ -84,8 +84,6 @@ class Holder:
     reserved: int = 0  # of those, blocks in a RESERVED segment
     evicted_cached: int = 0  # cumulative
     evicted_leased: int = 0  # cumulative
-    pending_cached: int = 0  # evictions not yet reported as events
-    pending_leased: int = 0
 
 
 class _Separator:
@@ -111,7 +109,8 @@ class TenantFreeBlockQueue:
 
     Costs: popleft is O(segments) (a small constant: twice the leasing tiers, + 2), remove,
     append (with a demotion at the cap) and prepend are O(1), `num_free_blocks`
-    is a plain attribute, `reserve` O(segments); none allocates.
+    is a plain attribute, `reserve` O(segments); none allocates, except that a popleft
+    evicting a held prefix block logs it (one tuple appended to `evictions`).
     `retain`, `demote` and `release` are O(blocks in that tier's segments) and happen
     once per reservation window, turn or lease, off the per-step path.
     """
@@ -148,7 +147,9 @@ class TenantFreeBlockQueue:
         self.num_free_blocks = 0  # those the current allocation may take (vLLM reads this)
         self.owner: Holder | None = None  # who is freeing blocks right now (set by the scheduler)
         self.reserve_from = nseg  # segments from here on are hidden (`reserve`)
-        self.evicting: list[Holder] = []  # holders with pending evictions to report
+        # Evictions not yet reported, in order: (holder, leased, block id). The block id
+        # lets the scheduler name the request the block went to (its step's output).
+        self.evictions: list[tuple[Holder, bool, int]] = []
         for block in blocks:
             self._insert_before(self._seps[CACHED], block, EMPTY, None)
 
@@ -299,10 +300,10 @@ class TenantFreeBlockQueue:
             while self._count[seg] > cap:
                 self._demote_oldest(seg)
 
-    def take_evictions(self) -> list[Holder]:
-        """Holders with evictions since the last call; the caller reads and zeroes pending_*."""
-        evicting, self.evicting = self.evicting, []
-        return evicting
+    def take_evictions(self) -> list[tuple[Holder, bool, int]]:
+        """Evictions since the last call, in order: (holder, whether leased, block id)."""
+        evictions, self.evictions = self.evictions, []
+        return evictions
 
     def reserved_sizes(self) -> list[int]:
         """Blocks in each RESERVED segment, least important leasing tier first."""
@@ -420,11 +421,8 @@ class TenantFreeBlockQueue:
         else:
             owner.cached -= 1
         if evicting and block.block_hash is not None:
-            if not (owner.pending_cached or owner.pending_leased):
-                self.evicting.append(owner)
+            self.evictions.append((owner, leased, i))
             if leased:
                 owner.evicted_leased += 1
-                owner.pending_leased += 1
             else:
                 owner.evicted_cached += 1
-                owner.pending_cached += 1

@@ -88,7 +88,6 @@ class KvleaseState:
         "lease_index",
         "leases",
         "most_blocks_for",
-        "noting_allocate",
         "offload_available",
         "payback",
         "pool",
@@ -152,8 +151,8 @@ class KvleaseState:
         self.payback: PaybackTuner
         self.free_queue: TenantFreeBlockQueue
         self.allocate: Callable[..., Any]  # vLLM's allocate_slots, bound
-        self.wrapped_allocate: Callable[..., Any]  # the adapter's, one bound method each,
-        self.noting_allocate: Callable[..., Any]  # compared by identity
+        self.wrapped_allocate: Callable[..., Any]  # the adapter's, one bound method,
+        # compared by identity
         self.step_blocks = 0  # blocks one step can take beyond one per running request
         self.most_blocks_for: Callable[[int], int] = lambda tokens: 1 << 62
         self.cost = CostModel()

@@ -142,6 +142,13 @@ VLLM_SURFACE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("block_pool", "free_block_queue", (), "replaced by TenantFreeBlockQueue"),
     ("block_pool", "blocks", (), "the pool's size, for the replacement queue"),
     ("block_pool", "num_gpu_blocks", (), "the pool, null block included"),
+    # a step's output: which request each new block went to (evictions' cause)
+    ("SchedulerOutput", "scheduled_new_reqs", (), "NewRequestData per newly scheduled request"),
+    ("SchedulerOutput", "scheduled_cached_reqs", (), "CachedRequestData of the others"),
+    ("NewRequestData", "req_id", (), "the request its block_ids went to"),
+    ("NewRequestData", "block_ids", (), "every block it holds: one list per KV cache group"),
+    ("CachedRequestData", "req_ids", (), "in step with new_block_ids"),
+    ("CachedRequestData", "new_block_ids", (), "the blocks each got this step (or None)"),
     ("ParallelConfig", "_api_process_count", (),
      "how many API processes get every message (read with a default of 1)"),
     ("ParallelConfig", "data_parallel_index", (),
@@ -243,6 +250,7 @@ class _DeferredFrees(deque):
 # it is a plain mixin, applied to both of vLLM's scheduler classes.
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
 
     _SchedulerBase = Scheduler
 else:
@@ -261,7 +269,8 @@ class TenantSchedulingMixin(_SchedulerBase):
     - `waiting`: a `TenantWaitingQueue` (tier order, then vLLM's queue per tier): add and
       prepend O(1) (FCFS) or O(log n) (priority), peek and pop O(tiers) more.
     - `deferred_frees`: a `_DeferredFrees`, telling the state whose blocks vLLM returns.
-    Per step the mixin adds O(1) work plus one wrapper call per allocation; the admission
+    Per step the mixin adds O(1) work (plus one wrapper call per allocation in a step that
+    may run short, and O(new blocks) in a step that evicted cached blocks); the admission
     check looks past `running[-1]` only when a lower class runs than the waiting head;
     sampling walks held blocks every `sample_seconds`, off the per-step path.
     """
@@ -303,7 +312,6 @@ class TenantSchedulingMixin(_SchedulerBase):
         kv.free_queue = self._install_free_queue()
         kv.allocate = self.kv_cache_manager.allocate_slots  # vLLM's, bound
         kv.wrapped_allocate = self._allocate_slots  # one bound method, compared by identity
-        kv.noting_allocate = self._allocate_noting_cause
         kv.request_blocks = self._request_blocks
         # Blocks one step can take beyond one per running request: its token budget, the
         # watermark and one whole request's prefix-cache hit.
@@ -578,7 +586,7 @@ class TenantSchedulingMixin(_SchedulerBase):
             self._charge_running()
         if kv.awaiting_hit:
             self._note_lease_hits()
-        self._report_evictions()
+        self._report_evictions(output=output)
         kv.cause = None  # no request outlives its step here
         return output
 
@@ -655,34 +663,25 @@ class TenantSchedulingMixin(_SchedulerBase):
     def _choose_allocator(self) -> None:
         """Use kvlease's allocation wrapper only in steps where it can matter: where this
         step could run out of blocks no lease holds (so a reservation or a victim choice
-        could come into play). Otherwise vLLM allocates exactly as stock, at stock cost."""
+        could come into play). Otherwise vLLM allocates exactly as stock, at stock cost,
+        and the step's evictions are attributed from its output (`_report_evictions`)."""
         kv = self.kvlease
         manager = self.kv_cache_manager
-        ours = (kv.allocate, kv.wrapped_allocate, kv.noting_allocate)
-        if manager.allocate_slots not in ours:
+        if manager.allocate_slots not in (kv.allocate, kv.wrapped_allocate):
             return  # somebody else's wrapper (a test's, a connector's): leave it in place
         tight = kv.free_queue.free_unreserved < len(self.running) + kv.step_blocks
         manager.allocate_slots = (  # type: ignore[method-assign]  # VLLM_SURFACE: rebound
-            kv.wrapped_allocate if tight or kv.kv_caps else kv.noting_allocate
+            kv.wrapped_allocate if tight or kv.kv_caps else kv.allocate
         )
-
-    def _allocate_noting_cause(self, request: Request, *args: Any, **kwargs: Any):
-        """vLLM's `allocate_slots`, noting whose allocation evicts: the cheap wrapper of a
-        step that cannot run short (one attribute store and one list check)."""
-        kv = self.kvlease
-        kv.cause = request
-        blocks = kv.allocate(request, *args, **kwargs)
-        if kv.free_queue.evicting:
-            self._report_evictions(request)
-        return blocks
 
     def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
         """vLLM's `allocate_slots` in a step that may run short (`_allocate_leasing`),
-        noting whose allocation evicts, as `_allocate_noting_cause` does."""
+        noting whose allocation evicts: a preemption later in the step may free a block
+        and hand it on, so the step's output would not say who took it from the cache."""
         kv = self.kvlease
         kv.cause = request
         blocks = self._allocate_leasing(request, *args, **kwargs)
-        if kv.free_queue.evicting:
+        if kv.free_queue.evictions:
             self._report_evictions(request)
         return blocks
 
@@ -1121,30 +1120,40 @@ class TenantSchedulingMixin(_SchedulerBase):
         if not (busy or holder.cached or holder.leased):
             self.kvlease.holders.pop(session, None)
 
-    def _report_evictions(self, cause: Request | None = None) -> None:
-        """Evictions since the last report, attributed to `cause`'s allocation (after an
-        allocation) or to none (at the end of a step: one outside any allocation)."""
+    def _report_evictions(
+        self, cause: Request | None = None, output: SchedulerOutput | None = None
+    ) -> None:
+        """Evictions since the last report, each attributed to the allocation that took its
+        block: `cause`'s (called right after it allocated) or, at the end of a step, the
+        request `output` hands the block to as a new block (in a step that cannot run
+        short, the only ones that evict unreported). NO_CAUSE when neither names one."""
         kv = self.kvlease
+        evictions = kv.free_queue.take_evictions()
+        if not evictions:
+            return
+        takers = _block_takers(output) if cause is None and output is not None else {}
+        blocks: dict[tuple[Holder, bool, str | None], int] = {}
+        for holder, leased, block_id in evictions:
+            taker = cause.request_id if cause is not None else takers.get(block_id)
+            key = (holder, leased, taker)
+            blocks[key] = blocks.get(key, 0) + 1
         now = kv.clock()
-        by_tier, by_tenant = self._cause_of(cause) if cause is not None else (NO_CAUSE, None)
-        for holder in kv.free_queue.take_evictions():
-            for leased, blocks in ((False, holder.pending_cached), (True, holder.pending_leased)):
-                if blocks:
-                    kv.accounting.count_eviction(
-                        kv.label(holder.tenant_id), holder.tier, leased, blocks, by_tier
-                    )
-                    kv.events.push(
-                        Eviction(
-                            at=now,
-                            tenant_id=holder.tenant_id,
-                            tier=holder.tier,
-                            leased=leased,
-                            blocks=blocks,
-                            by_tier=by_tier,
-                            by_tenant=by_tenant,
-                        )
-                    )
-            holder.pending_cached = holder.pending_leased = 0
+        for (holder, leased, taker), n in blocks.items():
+            request = self.requests.get(taker) if taker is not None else None
+            by_tier, by_tenant = (NO_CAUSE, None) if request is None else self._cause_of(request)
+            label = kv.label(holder.tenant_id)
+            kv.accounting.count_eviction(label, holder.tier, leased, n, by_tier)
+            kv.events.push(
+                Eviction(
+                    at=now,
+                    tenant_id=holder.tenant_id,
+                    tier=holder.tier,
+                    leased=leased,
+                    blocks=n,
+                    by_tier=by_tier,
+                    by_tenant=by_tenant,
+                )
+            )
             self._forget_if_idle((holder.tenant_id, holder.session_id), holder)
 
     # -- accounting ------------------------------------------------------------
@@ -1187,6 +1196,21 @@ class TenantSchedulingMixin(_SchedulerBase):
         return snapshot.engine_state(
             self.kvlease, snap, len(self.running), len(waiting), waiting.bucket_sizes()
         )
+
+
+def _block_takers(output: SchedulerOutput) -> dict[int, str]:
+    """Block id -> the request a step's output hands it to as a new block. O(new blocks)."""
+    takers = {}
+    for new in output.scheduled_new_reqs:
+        for group in new.block_ids:
+            for block_id in group:
+                takers[block_id] = new.req_id
+    cached = output.scheduled_cached_reqs
+    for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        for group in new_ids or ():
+            for block_id in group:
+                takers[block_id] = req_id
+    return takers
 
 
 def _cost_model(vllm_config: Any, settings: SchedulerSettings) -> CostModel:

@@ -89,7 +89,11 @@ def test_leased_prefixes_are_evicted_only_after_every_unleased_block():
     assert order[-4:] == [0, 1, 2, 3]  # the leased prefix goes last
     assert order[-8:-4] == [4, 5, 6, 7]  # after the empty blocks, before the lease
     assert (premium.evicted_leased, free_tier.evicted_cached) == (4, 4)
-    assert {h.tenant_id for h in queue.take_evictions()} == {"acme", "bob"}
+    evictions = queue.take_evictions()  # in eviction order, each with its block's id
+    assert [(h.tenant_id, leased, i) for h, leased, i in evictions] == [
+        ("bob", False, i) for i in (4, 5, 6, 7)
+    ] + [("acme", True, i) for i in (0, 1, 2, 3)]
+    assert queue.take_evictions() == []
 
 
 def test_at_the_tier_cap_the_newest_reserved_blocks_stay_and_the_oldest_are_retained():

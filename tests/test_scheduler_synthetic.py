@@ -14,7 +14,7 @@ from engines import recording
 from kvlease.engine.events import TenantHolding
 from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST
 from kvlease.engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
-from kvlease.replay.synthetic import make_request, make_scheduler, step
+from kvlease.replay.synthetic import BLOCK, make_request, make_scheduler, step
 
 TIERS = ("premium", "standard", "free")
 CLASSES = [TenantAwareScheduler, TenantAwareAsyncScheduler]
@@ -728,3 +728,23 @@ def test_every_preemption_and_eviction_names_the_allocation_that_caused_it(demo_
         assert sum(done.recomputed_by.values()) == done.recomputed_tokens
     evicted = [e for e in events if type(e).__name__ == "Eviction"]
     assert all(e.by_tier in (*TIERS, "none") for e in evicted)
+
+
+def test_an_eviction_without_pressure_names_the_request_its_block_went_to(demo_model):
+    """In a step that cannot run short vLLM allocates through its own method (no
+    wrapper); each cached block it evicts is still charged to the request that took it
+    (read off the step's output)."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, blocks=300)
+    for _ in range(9):  # one tenant's prefixes fill the cache: 9 x 33 of 299 blocks
+        scheduler.add_request(make_request("old", "free", 32 * BLOCK, 1))
+        _run(scheduler)
+    scheduler.kvlease.events.drain()
+    scheduler.add_request(make_request("new", "standard", 20 * BLOCK, 1))
+    step(scheduler)
+    assert scheduler.kv_cache_manager.allocate_slots == scheduler.kvlease.allocate  # vLLM's
+    evicted = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Eviction"]
+    assert {(e.tenant_id, e.by_tier, e.by_tenant) for e in evicted} == {
+        ("old", "standard", "new")
+    }
+    counted = {k: n for k, n in scheduler.kvlease.accounting.evicted_blocks.items() if n}
+    assert {k[-1] for k in counted} == {"standard"}
