@@ -72,6 +72,7 @@ class KvleaseState:
         "admissions",
         "allocate",
         "awaiting_hit",
+        "block_unit",
         "bucket",
         "caps",
         "cause",
@@ -87,7 +88,6 @@ class KvleaseState:
         "last_sample",
         "lease_index",
         "leases",
-        "most_blocks_for",
         "offload_available",
         "payback",
         "pool",
@@ -154,7 +154,10 @@ class KvleaseState:
         self.wrapped_allocate: Callable[..., Any]  # the adapter's, one bound method,
         # compared by identity
         self.step_blocks = 0  # blocks one step can take beyond one per running request
-        self.most_blocks_for: Callable[[int], int] = lambda tokens: 1 << 62
+        # A running request's next tokens take at most tokens // block_unit + 1 new blocks:
+        # the block size on an engine with one KV cache group; 0 where no bound is that cheap
+        # (hybrid models), so every allocation takes the full path.
+        self.block_unit = 0
         self.cost = CostModel()
         self.rank = 0  # this engine's data-parallel rank
         self.publisher: Any = None  # the channel to the API processes (None: in-process)

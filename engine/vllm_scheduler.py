@@ -320,10 +320,8 @@ class TenantSchedulingMixin(_SchedulerBase):
             + self.kv_cache_manager.watermark_blocks
             + request_blocks
         )
-        # A running request's next tokens take at most tokens // block + 1 new blocks, on
-        # an engine with one KV cache group (hybrid models always take the full wrapper).
         if len(self.kv_cache_config.kv_cache_groups) == 1:
-            kv.most_blocks_for = lambda tokens: tokens // self.block_size + 1
+            kv.block_unit = self.block_size
         self.deferred_frees = _DeferredFrees(self._deferred_popped)
         kv.cost = _cost_model(self.vllm_config, settings)
         parallel = self.vllm_config.parallel_config
@@ -675,29 +673,34 @@ class TenantSchedulingMixin(_SchedulerBase):
         )
 
     def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
-        """vLLM's `allocate_slots` in a step that may run short (`_allocate_leasing`),
-        noting whose allocation evicts: a preemption later in the step may free a block
-        and hand it on, so the step's output would not say who took it from the cache."""
+        """vLLM's `allocate_slots` in a step that may run short, noting whose allocation
+        evicts (a preemption later in the step may free a block and hand it on, so the
+        step's output would not say who took it from the cache). A running request whose
+        next tokens fit in blocks nobody reserves goes to vLLM's call from this one frame:
+        there a reservation changes nothing and the allocation cannot fail."""
         kv = self.kvlease
         kv.cause = request
-        blocks = self._allocate_leasing(request, *args, **kwargs)
+        unit = kv.block_unit  # the most new blocks these tokens can take (0: no cheap bound)
+        most = (args[0] + kwargs.get("num_lookahead_tokens", 0)) // unit + 1 if unit else 1 << 62
+        running = request.status is RUNNING
+        if running and len(args) == 1 and kv.free_queue.free_unreserved > most and not kv.kv_caps:
+            blocks = kv.allocate(request, *args, **kwargs)
+        else:
+            blocks = self._allocate_leasing(request, running, most, args, kwargs)
         if kv.free_queue.evictions:
             self._report_evictions(request)
         return blocks
 
-    def _allocate_leasing(self, request: Request, *args: Any, **kwargs: Any):
+    def _allocate_leasing(
+        self, request: Request, running: bool, most: int, args: tuple, kwargs: dict
+    ):
         """vLLM's `allocate_slots`, with the leases of more important tiers reserved from
         `request` (unless nothing else runs), and, when a running request gets no blocks,
         the lowest class's cheapest victim moved to where vLLM's FCFS preemption looks."""
         kv = self.kvlease
         queue = kv.free_queue
-        running = request.status is RUNNING
         if kv.kv_caps and self._refused_by_kv_cap(request, running, args, kwargs):
             return None
-        most = kv.most_blocks_for(args[0] + kwargs.get("num_lookahead_tokens", 0))
-        if running and len(args) == 1 and queue.free_unreserved > most:
-            # it fits in blocks nobody reserves: a reservation would change nothing
-            return kv.allocate(request, *args, **kwargs)
         if queue.reserved_blocks and not leases_yield(len(self.running) - running):
             t = kv.tenancy.get(request.request_id) or self._tenancy_of(request)
             queue.reserve(t.reserve_from)
