@@ -601,13 +601,33 @@ class TenantSchedulingMixin(_SchedulerBase):
                 self._charge(request, t)
 
     @staticmethod
-    def _charge(request: Request, t: Tenancy) -> None:
+    def _charge(request: Request, t: Tenancy, computed: int | None = None) -> None:
+        """Charge what `request` generated since its last charge, up to `computed` tokens
+        (default: all it has computed)."""
         account = t.account
         if account is not None:
-            new = request.num_computed_tokens - t.charged_until  # generated since last charge
+            computed = request.num_computed_tokens if computed is None else computed
+            new = computed - t.charged_until  # generated since last charge
             if new > 0:
                 account.charge(OUTPUT_COST * new)
-                t.charged_until = request.num_computed_tokens
+                t.charged_until = computed
+
+    def account_stride(self, steps: int) -> None:
+        """The last `schedule()` stood for `steps` engine steps in which every running
+        request decoded one token a step (`kvlease replay`'s strides, which compute a
+        stride's tokens at the next step): count those steps, and charge fair share as
+        their schedule() calls would have, up to the last CHARGE_STEPS step among them, so
+        the next admission sees the counters the engine would. O(running requests)."""
+        kv = self.kvlease
+        first = kv.steps  # the stride's first step, already counted
+        kv.steps += steps - 1
+        last = kv.steps - kv.steps % CHARGE_STEPS
+        if last > first:
+            tenancy = kv.tenancy
+            for request in self.running:  # at step `last` it had computed this many
+                t = tenancy.get(request.request_id)
+                if t is not None:
+                    self._charge(request, t, request.num_computed_tokens + last - first)
 
     def _note_lease_hits(self) -> None:
         """A leased next turn just scheduled for the first time: keep its prefix-cache hit

@@ -9,9 +9,10 @@ it, and an idle engine jumps to the next arrival.
 Steady decoding is replayed in strides. When nothing waits, every running request
 is decoding, none finishes and none could need a block a lease holds before the
 next arrival, the next k steps are all alike: one call samples k tokens per
-request and the clock moves k steps. Those steps decide nothing, so a stride
-changes no figure (tests/test_replay.py checks it against stride 1); it is what
-makes a week of traffic take minutes.
+request, the clock moves k steps and the scheduler counts them (`account_stride`:
+fair share is charged as those steps would have). Those steps decide nothing, so a
+stride changes no figure (tests/test_replay.py checks it against stride 1); it is
+what makes a week of traffic take minutes.
 
 `stock` replays on vLLM's own scheduler instead (FCFS, or PRIORITY with priority =
 tier), with no stride, for what kvlease is measured against (bench/ablations.py).
@@ -177,6 +178,8 @@ def simulate(
             stride = _stride(scheduler, out, step_s, clock.now, trace.next_step(), ticks)
             stride = min(stride, max_stride)
         _, outputs = step(scheduler, out, stride)
+        if stride > 1:
+            scheduler.account_stride(stride)
         calls += 1
         clock.now += stride * step_s
         finished = 0
