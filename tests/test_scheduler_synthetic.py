@@ -743,8 +743,6 @@ def test_an_eviction_without_pressure_names_the_request_its_block_went_to(demo_m
     step(scheduler)
     assert scheduler.kv_cache_manager.allocate_slots == scheduler.kvlease.allocate  # vLLM's
     evicted = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Eviction"]
-    assert {(e.tenant_id, e.by_tier, e.by_tenant) for e in evicted} == {
-        ("old", "standard", "new")
-    }
+    assert {(e.tenant_id, e.by_tier, e.by_tenant) for e in evicted} == {("old", "standard", "new")}
     counted = {k: n for k, n in scheduler.kvlease.accounting.evicted_blocks.items() if n}
     assert {k[-1] for k in counted} == {"standard"}
