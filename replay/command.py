@@ -136,9 +136,13 @@ def run(
     done = spawn.Value("q", 0)
     # A pool, not an executor: leaving the block terminates the workers at once (asked to
     # stop: `stopped()`, polled with the progress), and each is told to stop by the kernel
-    # if this process is killed.
-    with spawn.Pool(jobs, initializer=_start_worker, initargs=(done, os.getpid())) as workers:
-        pending = {s.name: workers.apply_async(_side, (s, plan)) for s in plan.sides}
+    # if this process is killed. The plan (megabytes of turns) goes to each worker as it
+    # starts, and a task is only a side's name: a task too large for the pipe left the
+    # pool's feeder thread blocked on it when the workers were ended before reading it all,
+    # and the process never exited.
+    started = (done, os.getpid(), plan)
+    with spawn.Pool(jobs, initializer=_start_worker, initargs=started) as workers:
+        pending = {s.name: workers.apply_async(_side, (s.name,)) for s in plan.sides}
         shown, finished = 0, False
         while not finished:
             if stopped():
@@ -165,11 +169,12 @@ def run(
 
 
 _done: Any = None  # the count of replayed requests, shared with the parent
+_plan: Plan | None = None  # what this worker replays a side of
 
 
-def _start_worker(done: Any, parent: int) -> None:
-    global _done
-    _done = done
+def _start_worker(done: Any, parent: int, plan: Plan) -> None:
+    global _done, _plan
+    _done, _plan = done, plan
     die_with_parent(parent)
 
 
@@ -178,8 +183,11 @@ def _count(n: int) -> None:
         _done.value += n
 
 
-def _side(side: Side, plan: Plan) -> dict[str, Any]:
-    """One side, in a worker process: replay it, and summarize what it saw."""
+def _side(name: str) -> dict[str, Any]:
+    """One side of the worker's plan, by name: replay it, and summarize what it saw."""
+    plan = _plan
+    assert plan is not None, "_start_worker sets the plan"
+    side = next(s for s in plan.sides if s.name == name)
     from kvlease.engine.runtime import prepare_environment, require_vllm
 
     prepare_environment()
