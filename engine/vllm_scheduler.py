@@ -588,25 +588,26 @@ class TenantSchedulingMixin(_SchedulerBase):
         kv.cause = None  # no request outlives its step here
         return output
 
-    def _charge_running(self) -> None:
+    def _charge_running(self, ahead: int = 0) -> None:
         """Charge the generated tokens of every running request to its tenant (the prompt
         was charged at admission, `_admitted`). Every CHARGE_STEPS steps, and for one request
         when it is preempted or finishes, so its tokens are all charged: between two, an
         admission sees each running request's last few tokens uncharged (VTC's bound grows
-        by that much), for an eighth of the per-step cost. O(running requests)."""
+        by that much), for an eighth of the per-step cost. `ahead`: tokens each has computed
+        beyond `num_computed_tokens` (`account_stride`). O(running requests)."""
         tenancy = self.kvlease.tenancy
         for request in self.running:
             t = tenancy.get(request.request_id)
             if t is not None:
-                self._charge(request, t)
+                self._charge(request, t, ahead)
 
     @staticmethod
-    def _charge(request: Request, t: Tenancy, computed: int | None = None) -> None:
-        """Charge what `request` generated since its last charge, up to `computed` tokens
-        (default: all it has computed)."""
+    def _charge(request: Request, t: Tenancy, ahead: int = 0) -> None:
+        """Charge what `request` generated since its last charge, up to its computed
+        tokens plus `ahead`."""
         account = t.account
         if account is not None:
-            computed = request.num_computed_tokens if computed is None else computed
+            computed = request.num_computed_tokens + ahead
             new = computed - t.charged_until  # generated since last charge
             if new > 0:
                 account.charge(OUTPUT_COST * new)
@@ -622,12 +623,8 @@ class TenantSchedulingMixin(_SchedulerBase):
         first = kv.steps  # the stride's first step, already counted
         kv.steps += steps - 1
         last = kv.steps - kv.steps % CHARGE_STEPS
-        if last > first:
-            tenancy = kv.tenancy
-            for request in self.running:  # at step `last` it had computed this many
-                t = tenancy.get(request.request_id)
-                if t is not None:
-                    self._charge(request, t, request.num_computed_tokens + last - first)
+        if last > first:  # at step `last` each had computed `last - first` tokens more
+            self._charge_running(ahead=last - first)
 
     def _note_lease_hits(self) -> None:
         """A leased next turn just scheduled for the first time: keep its prefix-cache hit
