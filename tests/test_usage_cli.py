@@ -34,11 +34,13 @@ def test_a_wrong_path_is_an_error_and_creates_nothing(tmp_path, capsys):
     [
         ("not a url", "not a ledger URL"),
         ("mysql+nodriver://x@h/db", "not a ledger URL"),
-        (f"postgresql://kv:s3cret@127.0.0.1:{free_port()}/usage", "usage ledger"),
+        ("postgresql://kv:s3cret@127.0.0.1:{port}/usage", "usage ledger"),  # nobody listens
     ],
 )
 def test_a_ledger_that_cannot_be_opened_is_one_line(capsys, url, message):
-    code, err = _export(capsys, "--usage-db", url)
+    # The port is picked when the test runs: every collection (one per xdist worker)
+    # must see the same test ids.
+    code, err = _export(capsys, "--usage-db", url.format(port=free_port()))
     assert code == 2 and err.count("\n") == 1 and message in err
     assert "s3cret" not in err
 
