@@ -2,7 +2,7 @@
 
     python -m bench.dashboard              # 3 page loads per machine state
     python -m bench.dashboard --repeats 5
-    python -m bench.dashboard --quick      # 1 load each, 4 clients (smoke test)
+    python -m bench.dashboard --quick      # 1 load each, 4 clients, no warm-up (smoke test)
 
 A real `kvlease serve` (the demo model, a 64-block pool) and a real `kvlease dashboard`
 reading its admin API, on the same machine as the browser. Each page load opens the
@@ -89,7 +89,9 @@ def _open_page(browser, url: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="one page load each, 4 clients")
+    parser.add_argument(
+        "--quick", action="store_true", help="one page load each, 4 clients, no warm-up"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
@@ -133,7 +135,8 @@ def main() -> int:
                 executable_path=shutil.which("chromium") or "/usr/bin/chromium",
                 args=["--no-sandbox", "--disable-gpu"],
             )
-            _open_page(browser, url)  # warm-up: Streamlit's first script run
+            if not args.quick:  # the smoke run skips it: its figures are not reported
+                _open_page(browser, url)  # warm-up: Streamlit's first script run
             for state in rounds:
                 if state == "quiet":
                     stop.set()
