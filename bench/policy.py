@@ -1,4 +1,4 @@
-"""Policy benchmark: one multi-tenant trace through the real vLLM engine, four ways.
+"""Policy benchmark: one multi-tenant trace through the real vLLM engine, thirteen ways.
 
     python -m bench.policy            # the 60 s trace (bench/workload.py), ~15 min here
     python -m bench.policy --quick    # a 12 s trace: the CI smoke test, ~1.5 min
