@@ -50,6 +50,7 @@ test-vllm-next: $(STAMP)
 # `make bench BENCH_ARGS=--quick` is the smoke run CI does through tests/test_bench.py.
 bench: $(STAMP)
 	$(PY) -m bench.policy $(BENCH_ARGS)
+	$(PY) -m bench.frontier $(BENCH_ARGS)
 	$(PY) -m bench.overhead $(BENCH_ARGS)
 	$(PY) -m bench.fairness $(BENCH_ARGS)
 	$(PY) -m bench.soak $(BENCH_ARGS)

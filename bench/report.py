@@ -167,6 +167,35 @@ def plot_frontier(path: Path, ways: dict[str, dict], names: Sequence[str], tier:
     plt.close(fig)
 
 
+def plot_frontier_pools(
+    path: Path, pools: dict[str, dict[str, dict]], tiers: Sequence[str]
+) -> None:
+    """`plot_frontier` for every pool side by side, each of `tiers` a series: the leased
+    next-turn prefix hit against the engine steps (to stock PRIORITY's), one point per way
+    but PRIORITY, each labelled."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(pools), figsize=(6 * len(pools), 4), squeeze=False)
+    for ax, (pool, ways) in zip(axes[0], pools.items(), strict=True):
+        base = ways["priority"]["engine_steps"]
+        for tier in tiers:
+            points = [
+                (way, w["engine_steps"] / base, w["tiers"][tier]["leased_prefix_hit"] * 100)
+                for way, w in ways.items()
+                if way != "priority"
+                and w["tiers"].get(tier, {}).get("leased_prefix_hit") is not None
+            ]
+            ax.plot([x for _, x, _ in points], [y for _, _, y in points], "o", label=tier)
+            for way, x, y in points:
+                ax.annotate(way, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_title(f"{pool} blocks")
+        ax.set_xlabel("engine steps / stock PRIORITY's")
+        ax.set_ylabel("leased next-turn prefix hit, %")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_lines(
     path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]]
 ) -> None:

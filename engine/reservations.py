@@ -12,19 +12,27 @@ The rule, per tier (`reserve` in the tier table):
   lease   the reservation lasts as long as the lease.
   auto    when a session's turn ends at t, its blocks are reserved until t + w, with
 
-              p = (returns + 1) / (turns + 2)              its return rate (Laplace)
+              think = the q-quantile of its think times
+              p = (returns + 1) / (turns - undecided + 2)   its return rate (Laplace)
               w = 0                                         if p < reserve_min_return
-              w = min(q-quantile of its think times,
-                      reserve_max_seconds, lease_seconds)   otherwise
+              w = min(think, reserve_max_seconds, lease_seconds)   otherwise
 
-          `turns` counts finished turns (a session's last request in flight ending) and
+          `turns` counts finished turns (a session's last request in flight ending),
           `returns` those followed by a next turn of the same session while its lease
-          ran; think times are the gaps between the two. Both are read from the most
-          specific history that has `MIN_HISTORY` turns: the session's, else its
-          tenant's, else its tier's, else the prior (p = 1/2, w = reserve_max_seconds).
-          So traffic whose sessions never come back (one-shot requests) soon reserves
-          nothing, and a session that answers within seconds is reserved for seconds,
-          not for the 300 s of its lease.
+          ran, and think times are the gaps between the two. `undecided` counts the
+          turns that ended less than `think` ago and have not returned yet, the one that
+          just ended among them: too recent to call a miss, as most returns come later.
+          (Counted as misses, they held a tier whose sessions came back two turns in
+          three at a rate under 1/2 early on, so its first next turns found nothing
+          reserved.) The rate is read from the most specific history with `MIN_HISTORY`
+          turns: the session's, else its tenant's, else its tier's, else the prior
+          (p = 1/2). The quantile from the most specific one with `MIN_GAPS` think times,
+          else from the one with the most (the 0.75-quantile of two think times is the
+          longer of them: too short a window for the third), else w =
+          reserve_max_seconds. Without any think time, no turn is undecided: traffic
+          whose sessions never come back (one-shot requests) soon reserves nothing, and
+          a session that answers within seconds is reserved for seconds, not for the
+          300 s of its lease.
 
 Only the end of a turn opens a window: what a session frees while its turn still runs
 (a preempted request, one of several in flight finishing) waits for no return, so it is
@@ -33,8 +41,9 @@ only retained. The window never outlives the lease, and the caps bound what is r
 waits for a reservation. Plain Python; nothing here imports vLLM.
 
 Costs: `turn_ended` and `turn_started` O(1); `window` O(GAPS log GAPS) (a sort of at most
-32 think times), once per finished turn. Memory: one `History` per live session (the
-scheduler forgets it with the lease), per tenant and per tier, each at most GAPS floats.
+32 think times) plus O(undecided turns), once per finished turn. Memory: one `History` per
+live session (the scheduler forgets it with the lease), per tenant and per tier, each at
+most GAPS floats and ENDS turn ends.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ from dataclasses import dataclass, field
 
 GAPS = 32  # think times remembered per key: the newest, so the estimate follows drift
 MIN_HISTORY = 3  # turns a history needs before it speaks for a session
+MIN_GAPS = 4  # think times a history needs before its quantile speaks for a session
+ENDS = 1024  # newest finished turns remembered per key, to tell which may still return
 
 
 class ReserveMode(enum.StrEnum):
@@ -71,7 +82,7 @@ class ReservePolicy:
     """One tier's reservation settings (the tier table's `reserve*` keys)."""
 
     mode: ReserveMode = ReserveMode.AUTO
-    quantile: float = 0.9  # of the think times: how many returns the window should catch
+    quantile: float = 0.75  # of the think times: how many returns the window should catch
     max_seconds: float = 60.0  # the longest window, whatever the history says
     min_return: float = 0.5  # below this return rate nothing is reserved
     min_payback: float = 1.0  # tokens of prefill saved per step it turns work away (payback)
@@ -84,9 +95,24 @@ class History:
     turns: int = 0
     returns: int = 0
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS))
+    # (end, session) of its newest finished turns, oldest first: which may still return
+    ends: deque[tuple[float, Hashable]] = field(default_factory=lambda: deque(maxlen=ENDS))
 
-    def return_rate(self) -> float:
-        return (self.returns + 1) / (self.turns + 2)
+    def return_rate(self, undecided: int = 0) -> float:
+        """Laplace's rate over the turns whose outcome is known: `undecided` of them
+        ended too recently to tell."""
+        return (self.returns + 1) / (self.turns - undecided + 2)
+
+    def undecided(self, now: float, think: float, ended: dict[Hashable, float]) -> int:
+        """Turns that ended less than `think` ago and have not returned yet: most
+        returns come later than that, so they are neither returns nor misses.
+        O(those turns)."""
+        count = 0
+        for end, session in reversed(self.ends):
+            if end <= now - think:
+                break
+            count += ended.get(session) == end
+        return count
 
     def quantile(self, q: float) -> float | None:
         """The q-quantile of the think times (nearest rank), or None without any."""
@@ -94,6 +120,16 @@ class History:
             return None
         ordered = sorted(self.gaps)
         return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _think(histories: list[History], q: float) -> float | None:
+    """The q-quantile of think times from the most specific history with MIN_GAPS of
+    them, else from the one with the most (a quantile of one or two is their largest, too
+    short a window for the next); None without any."""
+    timed = next((h for h in histories if len(h.gaps) >= MIN_GAPS), None)
+    if timed is None:
+        timed = max(histories, key=lambda h: len(h.gaps), default=None)
+    return timed.quantile(q) if timed is not None else None
 
 
 class ReturnModel:
@@ -134,6 +170,7 @@ class ReturnModel:
         self._ended[session] = now
         for history in self._histories(session, tenant, tier):
             history.turns += 1
+            history.ends.append((now, session))
 
     def forget(self, session: Hashable) -> None:
         """The session's lease expired: a later request starts a new lease, not a return."""
@@ -149,25 +186,21 @@ class ReturnModel:
             return 0.0
         if policy.mode is ReserveMode.LEASE:
             return lease
-        history = self._speaker(session, tenant, tier)
-        if history is None:
-            return min(policy.max_seconds, lease)
-        if history.return_rate() < policy.min_return:
+        histories = [
+            h
+            for h in (self._sessions.get(session), self._tenants.get(tenant), self._tiers.get(tier))
+            if h is not None
+        ]
+        think = _think(histories, policy.quantile)
+        window = min(policy.max_seconds if think is None else think, policy.max_seconds, lease)
+        history = next((h for h in histories if h.turns >= MIN_HISTORY), None)
+        if history is None or think is None:
+            undecided = 0  # without think times, a turn that has not returned is a miss
+        else:  # the turn that just ended (at `_ended[session]`) is one of them
+            undecided = history.undecided(self._ended[session], think, self._ended)
+        if history is not None and history.return_rate(undecided) < policy.min_return:
             return 0.0
-        think = history.quantile(policy.quantile)
-        if think is None:
-            think = policy.max_seconds
-        return min(think, policy.max_seconds, lease)
-
-    def _speaker(self, session: Hashable, tenant: Hashable, tier: str) -> History | None:
-        for history in (
-            self._sessions.get(session),
-            self._tenants.get(tenant),
-            self._tiers.get(tier),
-        ):
-            if history is not None and history.turns >= MIN_HISTORY:
-                return history
-        return None
+        return window
 
     def tracked_sessions(self) -> int:
         return len(self._sessions)

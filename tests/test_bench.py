@@ -71,6 +71,29 @@ def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token
     # What the caps allow a leased next turn at best: a fraction wherever a tier leased.
     bounds = [t["leased_prefix_cap_bound"] for t in ways["kvlease"]["tiers"].values()]
     assert all(0 < b <= 1 for b in bounds if b is not None)
+    _assert_sharing_bounds_below_the_cap_bound(ways["kvlease"])
+
+
+def _assert_sharing_bounds_below_the_cap_bound(way: dict) -> None:
+    """With the cap shared by the tier's sessions, even a clairvoyant keeps no more than
+    when each session has the whole cap."""
+    for t in way["tiers"].values():
+        if t["leased_prefix_cap_bound"] is not None:
+            assert 0 <= t["leased_prefix_shared_bound"] <= t["leased_prefix_cap_bound"]
+
+
+def test_frontier_benchmark_plays_every_reservation_setting_on_the_same_requests(out, kvlease_home):
+    from bench.frontier import QUANTILES
+
+    result = _bench("frontier", out, kvlease_home)
+    ways = result["pools"]["64"]
+    settings = {f"q={q}" for q in QUANTILES} | {"reserve-never", "reserve-lease", "priority"}
+    assert set(ways) == settings
+    assert len({w["requests"] for w in ways.values()}) == 1
+    table = (out / "frontier-quick.md").read_text()
+    assert all(f"| {way} | " in table for way in settings)
+    for way in ways.values():
+        _assert_sharing_bounds_below_the_cap_bound(way)
 
 
 def test_ablations_replay_the_same_requests_every_way_at_scale(out, kvlease_home):

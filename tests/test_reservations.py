@@ -6,7 +6,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlease.engine.reservations import MIN_HISTORY, ReserveMode, ReservePolicy, ReturnModel
+from kvlease.engine.reservations import (
+    MIN_GAPS,
+    MIN_HISTORY,
+    ReserveMode,
+    ReservePolicy,
+    ReturnModel,
+)
 
 AUTO = ReservePolicy()
 
@@ -26,8 +32,9 @@ def _turns(model: ReturnModel, session, gaps, tenant="acme", tier="premium", t0=
 def test_a_session_that_answers_in_seconds_is_reserved_for_seconds_not_for_its_lease():
     model = ReturnModel()
     _turns(model, "s1", [2.0, 3.0, 4.0, 5.0])
-    # Five turns, four returns: rate 5/7; the 0.9-quantile of 2, 3, 4, 5 s is 5 s.
-    assert model.window("s1", "acme", "premium", 300.0, AUTO) == 5.0
+    # Five turns, four returns: rate 5/7; the 0.75-quantile of 2, 3, 4, 5 s is 4 s.
+    assert AUTO.quantile == 0.75
+    assert model.window("s1", "acme", "premium", 300.0, AUTO) == 4.0
 
 
 def test_one_shot_sessions_soon_reserve_nothing():
@@ -49,6 +56,33 @@ def test_a_new_session_starts_from_its_tenants_history_then_its_tiers():
     assert model.window("new", "acme", "premium", 300.0, AUTO) == 1.0  # acme's think time
     model.turn_ended("other", "bob", "premium", 100.0)
     assert model.window("other", "bob", "premium", 300.0, AUTO) == 1.0  # the tier's
+
+
+def test_turns_too_recent_to_have_returned_are_not_counted_as_misses():
+    model = ReturnModel()
+    # Four sessions each came back once after 4 s, and each has just ended its second
+    # turn: 8 turns, 4 returns. Counting the four fresh ends (and the turn ending now)
+    # as misses would give 5/11, under 1/2, and reserve nothing for a tier whose
+    # sessions have come back every time so far.
+    for n in range(4):
+        model.turn_ended(f"s{n}", "acme", "premium", 0.0)
+        model.turn_started(f"s{n}", "acme", "premium", 4.0)
+        model.turn_ended(f"s{n}", "acme", "premium", 10.0)
+    model.turn_ended("new", "acme", "premium", 11.0)
+    assert model.window("new", "acme", "premium", 300.0, AUTO) == 4.0
+    # Once a think time has passed without a return, those turns are misses: 5/11.
+    model.turn_ended("later", "acme", "premium", 20.0)
+    assert model.window("later", "acme", "premium", 300.0, AUTO) == 0.0
+
+
+def test_the_window_comes_from_enough_think_times_not_from_the_longest_of_two():
+    model = ReturnModel()
+    _turns(model, "old", [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], tenant="acme")
+    _turns(model, "s1", [1.0, 1.0], tenant="acme", t0=200.0)
+    # s1 has three turns but only two think times: their 0.75-quantile (1 s) would end
+    # its window before most of acme's users answer; acme's twelve give 7 s.
+    assert MIN_GAPS > 2
+    assert model.window("s1", "acme", "premium", 300.0, AUTO) == 7.0
 
 
 def test_a_return_after_the_lease_expired_is_not_a_return():
