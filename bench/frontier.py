@@ -59,6 +59,7 @@ def settings_by_way(folder: Path) -> dict[str, dict[str, Any]]:
 
 
 def measure(model: str, pool: int, turns: list, folder: Path) -> dict[str, Any]:
+    """Every setting and stock PRIORITY on `pool` blocks, played together once."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvlease.engine.vllm_scheduler import TenantAwareScheduler
