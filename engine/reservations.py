@@ -58,7 +58,10 @@ from dataclasses import dataclass, field
 GAPS = 32  # think times remembered per key: the newest, so the estimate follows drift
 MIN_HISTORY = 3  # turns a history needs before it speaks for a session
 MIN_GAPS = 4  # think times a history needs before its quantile speaks for a session
-ENDS = 1024  # newest finished turns remembered per key, to tell which may still return
+# Newest finished turns remembered per key, to tell which may still return. Beyond it, a
+# turn too recent to call counts as a miss (less is reserved, never more); the premium
+# tier at scale (bench/ablations.py) ends about 20 turns within one think time.
+ENDS = 64
 
 
 class ReserveMode(enum.StrEnum):
