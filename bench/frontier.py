@@ -70,10 +70,9 @@ def measure(model: str, pool: int, turns: list, folder: Path) -> dict[str, Any]:
     for way, settings in settings_by_way(folder).items():
         engines[way] = start_engine(way, model, TenantAwareScheduler, "fcfs", pool, settings)
     runs = policy.play_together([(e, name) for name, e in engines.items()], turns, 10.0, tiers)
-    ways = {
+    return {
         name: policy.summarize(run, tiers, caps) for name, run in zip(engines, runs, strict=True)
     }
-    return ways
 
 
 def markdown(pools: dict[str, dict[str, Any]]) -> str:

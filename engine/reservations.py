@@ -93,7 +93,7 @@ class ReservePolicy:
 
 @dataclass(slots=True)
 class History:
-    """Finished turns, returns and the newest think times of one key."""
+    """Finished turns, returns, and the newest think times and turn ends of one key."""
 
     turns: int = 0
     returns: int = 0
@@ -127,8 +127,8 @@ class History:
 
 def _think(histories: list[History], q: float) -> float | None:
     """The q-quantile of think times from the most specific history with MIN_GAPS of
-    them, else from the one with the most (a quantile of one or two is their largest, too
-    short a window for the next); None without any."""
+    them, else from the one with the most (the 0.75-quantile of three or fewer is their
+    largest, too short a window for the next); None without any."""
     timed = next((h for h in histories if len(h.gaps) >= MIN_GAPS), None)
     if timed is None:
         timed = max(histories, key=lambda h: len(h.gaps), default=None)
