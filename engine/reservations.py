@@ -27,8 +27,8 @@ The rule, per tier (`reserve` in the tier table):
           reserved.) The rate is read from the most specific history with `MIN_HISTORY`
           turns: the session's, else its tenant's, else its tier's, else the prior
           (p = 1/2). The quantile from the most specific one with `MIN_GAPS` think times,
-          else from the one with the most (the 0.75-quantile of two think times is the
-          longer of them: too short a window for the third), else w =
+          else from the one with the most (the 0.75-quantile of three or fewer think
+          times is the longest of them: too short a window for the next), else w =
           reserve_max_seconds. Without any think time, no turn is undecided: traffic
           whose sessions never come back (one-shot requests) soon reserves nothing, and
           a session that answers within seconds is reserved for seconds, not for the
