@@ -78,28 +78,10 @@ def measure(model: str, pool: int, turns: list, folder: Path) -> dict[str, Any]:
 def markdown(pools: dict[str, dict[str, Any]]) -> str:
     lines = []
     for pool, ways in pools.items():
-        base = ways["priority"]
-        lines += [
-            f"**{pool} blocks**",
-            "",
-            "| setting | engine steps | leased hit premium / standard (of a clairvoyant "
-            "reservation's) | wasted prefill | premium TTFT steps | free worst TTFT steps |",
-            "|---|---|---|---|---|---|",
-        ]
-        for name, w in ways.items():
-            t = w["tiers"]
-            hits = " / ".join(
-                report.hit_cell(t[tier]["leased_prefix_hit"], t[tier]["leased_prefix_shared_bound"])
-                for tier in TIERS[:2]
-            )
-            free = t[TIERS[-1]]["ttft_steps"]["max"]
-            steps, wasted = w["engine_steps"], w["wasted_prefill_tokens"]
-            lines.append(
-                f"| {name} | {steps:,} ({steps / base['engine_steps']:.2f}x)"
-                f" | {hits} | {wasted:,} ({wasted / base['wasted_prefill_tokens']:.2f}x)"
-                f" | {t[TIERS[0]]['ttft_steps']['mean']:.1f} "
-                f"| {free:,.0f} ({free / base['tiers'][TIERS[-1]]['ttft_steps']['max']:.2f}x) |"
-            )
+        lines += [f"**{pool} blocks**", ""]
+        lines += report.ablation_rows(
+            ways, list(ways), None, "", TIERS, bound="leased_prefix_shared_bound"
+        )
         lines.append("")
     return "\n".join(lines)
 

@@ -57,46 +57,54 @@ def hit_cell(hit: float | None, bound: float | None) -> str:
     return f"{hit:.0%} ({hit / bound:.0%})" if bound else f"{hit:.0%}"
 
 
+# The leased hit's bounds the tables can show it against (bench/policy.py's summarize)
+BOUNDS = {
+    "leased_prefix_cap_bound": "of what the caps allow",
+    "leased_prefix_shared_bound": "of a clairvoyant reservation's",
+}
+
+
 def ablation_rows(
     ways: dict[str, dict[str, Any]],
     order: Sequence[str],
-    seconds: str,
+    seconds: str | None,
     title: str,
     tiers: Sequence[str],
     preemptions: bool = False,
+    bound: str = "leased_prefix_cap_bound",
 ) -> list[str]:
     """The ablation table (bench/policy.py on the real engine, bench/ablations.py at
-    scale): per way, steps, `seconds` (headed `title`), wasted prefill, premium TTFT,
-    the leased hit of the two leasing tiers and the lowest tier's worst TTFT, each against
-    stock PRIORITY (`ways["priority"]`); `preemptions` adds their count."""
+    scale, bench/frontier.py per setting): per way, steps, `seconds` (headed `title`; None:
+    no such column), wasted prefill, premium TTFT, the leased hit of the two leasing tiers
+    (and its share of `bound`, one of BOUNDS) and the lowest tier's worst TTFT, each
+    against stock PRIORITY (`ways["priority"]`); `preemptions` adds their count."""
     top, bottom = tiers[0], tiers[-1]
     base = ways["priority"]
+    timed = [] if seconds is None else [seconds]
     lines = [
-        f"| way | engine steps | {title} | wasted prefill "
-        "| premium TTFT steps mean / p99 | leased hit premium / standard (of what the caps "
-        "allow) | free worst TTFT steps |" + (" preemptions |" if preemptions else ""),
-        "|---|---|---|---|---|---|---|" + ("---|" if preemptions else ""),
+        "| way | engine steps | "
+        + "".join(f"{title} | " for _ in timed)
+        + "wasted prefill | premium TTFT steps mean / p99 | leased hit premium / standard "
+        f"({BOUNDS[bound]}) | free worst TTFT steps |" + (" preemptions |" if preemptions else ""),
+        "|---|---|" + "---|" * len(timed) + "---|---|---|---|" + ("---|" if preemptions else ""),
     ]
     for way in order:
         w = ways[way]
         t = w["tiers"]
         hits = [
-            hit_cell(
-                t.get(tier, {}).get("leased_prefix_hit"),
-                t.get(tier, {}).get("leased_prefix_cap_bound"),
-            )
+            hit_cell(t.get(tier, {}).get("leased_prefix_hit"), t.get(tier, {}).get(bound))
             for tier in tiers[:2]
         ]
         ratio = {
             key: w[key] / max(1e-9, base[key])
-            for key in ("engine_steps", seconds, "wasted_prefill_tokens")
+            for key in ("engine_steps", *timed, "wasted_prefill_tokens")
         }
         prem, free = t[top]["ttft_steps"], t[bottom]["ttft_steps"]
         free_ratio = free["max"] / max(1e-9, base["tiers"][bottom]["ttft_steps"]["max"])
         line = (
             f"| {way} | {w['engine_steps']:,} ({ratio['engine_steps']:.2f}x) "
-            f"| {w[seconds]:,.2f} ({ratio[seconds]:.2f}x) "
-            f"| {w['wasted_prefill_tokens']:,} ({ratio['wasted_prefill_tokens']:.2f}x) "
+            + "".join(f"| {w[key]:,.2f} ({ratio[key]:.2f}x) " for key in timed)
+            + f"| {w['wasted_prefill_tokens']:,} ({ratio['wasted_prefill_tokens']:.2f}x) "
             f"| {prem['mean']:.1f} / {prem['p99']:.0f} | {' / '.join(hits)} "
             f"| {free['max']:,.0f} ({free_ratio:.2f}x) |"
         )
@@ -151,14 +159,9 @@ def plot_frontier(path: Path, ways: dict[str, dict], names: Sequence[str], tier:
     steps (as a ratio to stock PRIORITY's), one point per way."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    base = ways["priority"]["engine_steps"]
-    for way in names:
-        hit = ways[way]["tiers"].get(tier, {}).get("leased_prefix_hit")
-        if hit is None:
-            continue
-        x = ways[way]["engine_steps"] / base
-        ax.plot([x], [hit * 100], marker="o")
-        ax.annotate(way, (x, hit * 100), textcoords="offset points", xytext=(5, 5))
+    for way, x, y in _frontier_points(ways, names, tier):
+        ax.plot([x], [y], marker="o")
+        ax.annotate(way, (x, y), textcoords="offset points", xytext=(5, 5))
     ax.set_title(f"Leased {tier} next-turn prefix hit against engine steps")
     ax.set_xlabel("engine steps / stock PRIORITY's")
     ax.set_ylabel("prefix hit, %")
@@ -176,14 +179,9 @@ def plot_frontier_pools(
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(pools), figsize=(6 * len(pools), 4), squeeze=False)
     for ax, (pool, ways) in zip(axes[0], pools.items(), strict=True):
-        base = ways["priority"]["engine_steps"]
+        names = [way for way in ways if way != "priority"]
         for tier in tiers:
-            points = [
-                (way, w["engine_steps"] / base, w["tiers"][tier]["leased_prefix_hit"] * 100)
-                for way, w in ways.items()
-                if way != "priority"
-                and w["tiers"].get(tier, {}).get("leased_prefix_hit") is not None
-            ]
+            points = _frontier_points(ways, names, tier)
             ax.plot([x for _, x, _ in points], [y for _, _, y in points], "o", label=tier)
             for way, x, y in points:
                 ax.annotate(way, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -194,6 +192,19 @@ def plot_frontier_pools(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _frontier_points(
+    ways: dict[str, dict], names: Sequence[str], tier: str
+) -> list[tuple[str, float, float]]:
+    """(way, engine steps / stock PRIORITY's, `tier`'s leased hit in %) for each of
+    `names` where the tier had leased next turns."""
+    base = ways["priority"]["engine_steps"]
+    return [
+        (way, ways[way]["engine_steps"] / base, hit * 100)
+        for way in names
+        if (hit := ways[way]["tiers"].get(tier, {}).get("leased_prefix_hit")) is not None
+    ]
 
 
 def plot_lines(
