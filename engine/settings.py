@@ -26,6 +26,7 @@ KEYS = {
     "effective_tflops": "KVLEASE_EFFECTIVE_TFLOPS",
     "host_link_gbps": "KVLEASE_HOST_LINK_GBPS",
     "fair_share": "KVLEASE_FAIR_SHARE",
+    "fair_slack": "KVLEASE_FAIR_SLACK",
     "reserve": "KVLEASE_RESERVE",
     # Each mechanism can be turned off on its own, to measure what it buys (bench/policy.py).
     "lease_order": "KVLEASE_LEASE_ORDER",
@@ -33,6 +34,12 @@ KEYS = {
     "class_service": "KVLEASE_CLASS_SERVICE",
     "reserve_payback": "KVLEASE_RESERVE_PAYBACK",
 }
+
+
+# Weighted tokens (a prompt token 1, a generated one 2) by which a tier's oldest waiting
+# request may pass fair share's order: the knee of bench/results/seeds.md, where ten traces
+# give the free tier's worst TTFT 1.20x stock PRIORITY's (median) against 1.54x at 0.
+FAIR_SLACK = 3000.0
 
 
 class SettingsError(ValueError):
@@ -49,6 +56,9 @@ class SchedulerSettings:
     effective_tflops: float | None = None  # for the recompute-vs-offload cost model
     host_link_gbps: float | None = None  # GB/s device<->host, one way
     fair_share: bool = True  # weighted VTC inside each tier (off: FIFO within a tier)
+    # weighted tokens by which the oldest waiting request may pass fair share's order
+    # (kvlease.engine.waiting_queue.FairBucket); 0: strict fair share
+    fair_slack: float = FAIR_SLACK
     reserve: ReserveMode | None = None  # every tier's `reserve` mode, if set (ablations)
     lease_order: bool = True  # off: a lease's unreserved blocks are plain LRU cached blocks
     admission_preemption: bool = True  # off: a waiting higher tier never preempts (stock)
@@ -71,7 +81,9 @@ class SchedulerSettings:
         def where(key: str) -> str:
             return f"additional_config.kvlease.{key}" if key in given else KEYS[key]
 
-        def number(key: str, low: float, default: float | None) -> float | None:
+        def number(
+            key: str, low: float, default: float | None, inclusive: bool = False
+        ) -> float | None:
             value = raw[key]
             if value is None or value == "":
                 return default
@@ -79,8 +91,9 @@ class SchedulerSettings:
                 out = float(value)
             except (TypeError, ValueError):
                 raise SettingsError(f"{where(key)} must be a number, got {value!r}") from None
-            if not out > low:
-                raise SettingsError(f"{where(key)} must be > {low:g}, got {value!r}")
+            if not (out >= low if inclusive else out > low):
+                bound = ">=" if inclusive else ">"
+                raise SettingsError(f"{where(key)} must be {bound} {low:g}, got {value!r}")
             return out
 
         try:
@@ -105,6 +118,8 @@ class SchedulerSettings:
         assert capacity is not None
         sample = number("sample_seconds", 0, 0.25)
         assert sample is not None
+        slack = number("fair_slack", 0, FAIR_SLACK, inclusive=True)
+        assert slack is not None
         return cls(
             tiers=TierTable.load(raw["tiers"]),
             victim_rule=rule,
@@ -114,6 +129,7 @@ class SchedulerSettings:
             effective_tflops=number("effective_tflops", 0, None),
             host_link_gbps=number("host_link_gbps", 0, None),
             fair_share=fair,
+            fair_slack=slack,
             reserve=reserve,
             **switches,
         )

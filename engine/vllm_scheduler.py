@@ -395,7 +395,9 @@ class TenantSchedulingMixin(_SchedulerBase):
             return vllm_queue()
         tier = tiers[bucket]
         skip = self._at_kv_cap if tier in kv.kv_caps else None
-        return FairBucket(kv.shares[tier], self._account_of, vllm_queue, skip)
+        return FairBucket(
+            kv.shares[tier], self._account_of, vllm_queue, skip, kv.settings.fair_slack
+        )
 
     def _account_of(self, request: Request) -> Account:
         account = self._tenancy_of(request).account

@@ -11,6 +11,7 @@ preempted free request never jumps ahead of a waiting premium one.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, islice
@@ -57,6 +58,15 @@ class FairBucket:
     requests put back. Costs: add O(1) + O(log tenants), prepend O(1), peek and pop
     O(log tenants) amortised. A bucket whose every request belongs to a refused tenant is
     falsy (nothing in it may be admitted now) while its `len` still counts them.
+
+    `slack` (weighted tokens, 0: strict fair share) trades fairness for the tier's worst
+    wait: the oldest waiting head goes first when its tenant's counter is within `slack`
+    of the smallest waiting counter, so a tenant that sends more than its share still
+    waits, but never longer than it takes the others to come within `slack` of it.
+    Counters between two waiting tenants then stay within fair share's bound plus
+    `slack`. `_oldest` holds `(arrival_time, seq, tenant)` for every tenant's head since
+    it became head (stale entries, whose request has left the head, are dropped when they
+    reach the top); with slack 0 it is never filled.
     """
 
     def __init__(
@@ -65,11 +75,15 @@ class FairBucket:
         account_of: Callable[[Request], Any],
         make_queue: Callable[[], Any] = Fifo,
         skip: Callable[[Any, Request], bool] | None = None,
+        slack: float = 0.0,
     ) -> None:
         self._share = share
         self._account_of = account_of
         self._make_queue = make_queue
         self._skip = skip
+        self._slack = slack
+        self._oldest: list[tuple[float, int, str]] = []  # heads by arrival (slack > 0)
+        self._seq = 0
         self._back: deque[Request] = deque()  # put back by vLLM: served first
         self._queues: dict[str, Any] = {}
         self._len = 0
@@ -84,6 +98,12 @@ class FairBucket:
         self._len += 1
         self._share.enqueued(a)
         self._peeked = None  # a new head may come first
+        if self._slack and q.peek_request() is request:
+            self._note_head(a.tenant, request)
+
+    def _note_head(self, tenant: str, head: Request) -> None:
+        self._seq += 1
+        heapq.heappush(self._oldest, (head.arrival_time, self._seq, tenant))
 
     def prepend_request(self, request: Request) -> None:
         """vLLM puts a request back (preempted, or skipped this step): the tier's front."""
@@ -103,7 +123,28 @@ class FairBucket:
         a = self._share.next(self._refused if self._skip else None)
         if a is None:
             raise IndexError("no waiting request may be admitted")
+        if self._slack:
+            a = self._within_slack(a)
         return a, self._queues[a.tenant]
+
+    def _within_slack(self, smallest: Any) -> Any:
+        """The tenant of the oldest waiting head if it is within the slack of `smallest`
+        (and not refused), else `smallest`."""
+        oldest = self._oldest_tenant()
+        if oldest is None or oldest is smallest or oldest.counter > smallest.counter + self._slack:
+            return smallest
+        return smallest if self._skip and self._refused(oldest) else oldest
+
+    def _oldest_tenant(self) -> Any:
+        """The account whose queue's head arrived first. O(log tenants) amortised."""
+        heap, queues = self._oldest, self._queues
+        while heap:
+            arrived, _, tenant = heap[0]
+            q = queues.get(tenant)
+            if q is not None and q.peek_request().arrival_time == arrived:
+                return self._share.accounts[tenant]
+            heapq.heappop(heap)  # its request left the head
+        return None
 
     def peek_request(self) -> Request:
         if self._back:
@@ -154,6 +195,8 @@ class FairBucket:
             self._share.dequeued(a)
         if not q:
             del self._queues[a.tenant]
+        elif self._slack:
+            self._note_head(a.tenant, q.peek_request())
 
     def __bool__(self) -> bool:
         if not self._len:

@@ -16,16 +16,17 @@ from kvlease.engine.waiting_queue import FairBucket
 class Req:
     tenant: str
     cost: int
+    arrival_time: float = 0.0
 
 
 class Tier:
     """One tier's fair bucket over plain requests: the scheduler's role, without vLLM."""
 
-    def __init__(self, weights: dict[str, float] | None = None) -> None:
+    def __init__(self, weights: dict[str, float] | None = None, slack: float = 0.0) -> None:
         self.share = FairShare()
         self.weights = weights or {}
         self.accounts: dict[int, object] = {}
-        self.bucket = FairBucket(self.share, lambda r: self.accounts[id(r)])
+        self.bucket = FairBucket(self.share, lambda r: self.accounts[id(r)], slack=slack)
 
     def arrive(self, r: Req) -> None:
         weight = self.weights.get(r.tenant, 1.0)
@@ -258,3 +259,77 @@ def test_a_request_put_back_resumes_before_any_new_one():
     tier.bucket.prepend_request(first)
     assert tier.bucket.peek_request() is first and tier.bucket.pop_request() is first
     assert len(tier.bucket) == 2 and tier.bucket.pop_request().tenant == "b"
+
+
+def test_with_slack_the_oldest_request_goes_first_while_its_tenant_is_within_it():
+    """Slack 25 on requests of cost 10: the heavy tenant, whose requests are older, is
+    served until it is more than 25 ahead of the light one; then fair share's order."""
+    tier = Tier(slack=25)
+    for i in range(10):
+        tier.arrive(Req("heavy", 10, arrival_time=i))
+    for i in range(3):
+        tier.arrive(Req("light", 10, arrival_time=100 + i))
+    served = [tier.serve().tenant for _ in range(8)]
+    # heavy at 0, 10, 20 (<= 0 + 25) goes; at 30 it waits for light to reach 10, ...
+    assert served == ["heavy", "heavy", "heavy", "light", "heavy", "light", "heavy", "light"]
+
+
+def test_slack_zero_is_strict_fair_share_and_unbounded_slack_is_arrival_order():
+    def order(slack: float) -> list[str]:
+        tier = Tier(slack=slack)
+        for i, tenant in enumerate("aaaabbcab"):
+            tier.arrive(Req(tenant, 10, arrival_time=i))
+        return [tier.serve().tenant for _ in range(9)]
+
+    assert order(0) == ["a", "b", "c", "a", "b", "a", "b", "a", "a"]
+    assert order(float("inf")) == list("aaaabbcab")
+
+
+def test_with_slack_a_refused_oldest_tenant_leaves_the_turn_to_fair_share():
+    share = FairShare()
+    accounts = {}
+    capped = {"old"}
+    bucket = FairBucket(
+        share, lambda r: accounts[id(r)], skip=lambda a, head: a.tenant in capped, slack=1e9
+    )
+    reqs = [Req("old", 1, 0.0), Req("x", 1, 1.0), Req("y", 1, 2.0)]
+    for r in reqs:
+        accounts[id(r)] = share.account(r.tenant, 1.0, str(id(r)))
+        bucket.add_request(r)
+    assert bucket.pop_request().tenant == "x"
+    capped.clear()
+    assert bucket.pop_request().tenant == "old"
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abcd"), st.integers(1, 50), st.booleans()),
+        min_size=1,
+        max_size=300,
+    ),
+    st.sampled_from([10.0, 60.0, 500.0]),
+)
+def test_with_slack_backlogged_tenants_stay_within_one_largest_request_plus_the_slack(
+    events, slack
+):
+    """The bound slack buys: between backlogged tenants, counters differ by at most the
+    largest request's cost plus the slack; every request is still served, in its
+    tenant's order."""
+    tier = Tier(slack=slack)
+    largest = 0
+    sent, served = [], []
+    for i, (tenant, cost, serve) in enumerate(events):
+        r = Req(tenant, cost, arrival_time=i)
+        sent.append(r)
+        tier.arrive(r)
+        largest = max(largest, cost)
+        if serve:
+            served.append(tier.serve())
+        counters = [a.counter for a in tier.share.accounts.values() if a.waiting]
+        if len(counters) > 1:
+            assert max(counters) - min(counters) <= largest + slack
+    while tier.bucket:
+        served.append(tier.serve())
+    assert len(served) == len(sent) and len(tier.bucket._oldest) <= len(sent) + 4
+    for tenant in "abcd":
+        assert [r for r in served if r.tenant == tenant] == [r for r in sent if r.tenant == tenant]

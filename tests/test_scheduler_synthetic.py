@@ -399,8 +399,9 @@ def test_a_heavy_tenant_of_a_tier_gets_its_share_not_ten_times_it(cls, demo_mode
     """One tier, a tenant sending ten times as many requests as the other, on a pool that
     holds 11 of the 22: the light tenant is admitted at once, not behind the heavy one's
     backlog, and the counters of the two while both wait stay within VTC's bound for
-    continuous batching, 2 x (largest prompt + 2 x the tokens the pool holds)."""
-    scheduler = _scheduler(cls, demo_model, blocks=24)
+    continuous batching, 2 x (largest prompt + 2 x the tokens the pool holds). Strict
+    fair share (no slack): with it the heavy tenant's older requests would go first."""
+    scheduler = _scheduler(cls, demo_model, blocks=24, fair_slack=0)
     heavy = [make_request("heavy", "free", 64, 32) for _ in range(20)]
     light = [make_request("light", "free", 64, 32) for _ in range(2)]
     for request in heavy + light:
@@ -425,6 +426,23 @@ def test_fair_share_off_serves_a_tier_first_come_first_served(demo_model):
         scheduler.add_request(request)
     step(scheduler)
     assert light.request_id not in {r.request_id for r in scheduler.running}
+    _run(scheduler)
+
+
+def test_with_fair_slack_an_older_request_passes_a_tenant_within_the_slack(demo_model):
+    """`fair_slack` reaches the tier's waiting queue: the heavy tenant's older requests
+    go first while its counter stays within the slack of the light tenant's, so with a
+    slack of 2,000 weighted tokens the light one waits behind some, and not behind all."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, blocks=24, fair_slack=2000)
+    heavy = [make_request("heavy", "free", 64, 32) for _ in range(40)]
+    light = make_request("light", "free", 64, 32)
+    for request in [*heavy, light]:
+        scheduler.add_request(request)
+    admitted_before = 0
+    while light.num_computed_tokens == 0:
+        step(scheduler)
+        admitted_before = sum(1 for r in heavy if r.num_computed_tokens)
+    assert 11 < admitted_before < 40  # more than a pool's worth (11): some, not all
     _run(scheduler)
 
 

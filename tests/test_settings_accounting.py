@@ -3,7 +3,7 @@ import pytest
 from kvlease.engine.accounting import AccountingError, TenantAccounting
 from kvlease.engine.events import TenantHolding
 from kvlease.engine.policy import VictimRule
-from kvlease.engine.settings import SchedulerSettings, SettingsError
+from kvlease.engine.settings import FAIR_SLACK, SchedulerSettings, SettingsError
 
 
 def test_defaults():
@@ -25,6 +25,8 @@ def test_additional_config_wins_over_environment():
     assert s.sample_seconds == 2.0
     assert s.reserve is None  # each tier's own `reserve`
     assert SchedulerSettings.load({}, env={"KVLEASE_RESERVE": "never"}).reserve == "never"
+    assert SchedulerSettings.load({}, env={}).fair_slack == FAIR_SLACK
+    assert SchedulerSettings.load({}, env={"KVLEASE_FAIR_SLACK": "0"}).fair_slack == 0.0
 
 
 def test_every_mechanism_is_on_unless_turned_off_for_an_ablation():
@@ -48,6 +50,7 @@ def test_every_mechanism_is_on_unless_turned_off_for_an_ablation():
         ({"kvlease": {"victim": "lru"}}, {}, "unknown key 'victim'"),
         ({}, {"KVLEASE_VICTIM_RULE": "random"}, "KVLEASE_VICTIM_RULE must be 'lru' or"),
         ({"kvlease": {"sample_seconds": 0}}, {}, "sample_seconds must be > 0"),
+        ({}, {"KVLEASE_FAIR_SLACK": "-1"}, "KVLEASE_FAIR_SLACK must be >= 0"),
         ({}, {"KVLEASE_EVENT_CAPACITY": "lots"}, "KVLEASE_EVENT_CAPACITY must be a number"),
         ({}, {"KVLEASE_RESERVE": "always"}, "KVLEASE_RESERVE must be one of 'auto'"),
         ({}, {"KVLEASE_CLASS_SERVICE": "maybe"}, "KVLEASE_CLASS_SERVICE must be true or false"),
