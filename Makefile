@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) -m bench.dashboard $(BENCH_ARGS)
 	$(PY) -m bench.replay $(BENCH_ARGS)
 	$(PY) -m bench.ablations $(BENCH_ARGS)
+	$(PY) -m bench.seeds $(BENCH_ARGS)
 
 # docs/'s screenshots, taken by the browser test from the real page under load.
 screenshots: $(STAMP) deb

@@ -1,4 +1,4 @@
-"""Policy benchmark: one multi-tenant trace through the real vLLM engine, thirteen ways.
+"""Policy benchmark: one multi-tenant trace through the real vLLM engine, fourteen ways.
 
     python -m bench.policy            # the 60 s trace (bench/workload.py), ~15 min here
     python -m bench.policy --quick    # a 12 s trace: the CI smoke test, ~1.5 min
@@ -16,10 +16,10 @@ plus the ablations, kvlease with one mechanism off or changed (ABLATION_SETTINGS
 `reserve-never` (no reservation), `reserve-lease` (reserved for the whole lease, as
 before issue 30), `no-lease-order` (a lease's unreserved blocks are plain LRU cached
 blocks), `no-admission` (a waiting higher tier never preempts running lower-tier work),
-`fifo` (fair share off), `fcfs-service` (`running` served first come, first served, not
-by class), `lru` (the seed's victim rule) and `no-payback` (reservation caps stay at the
-tier table's, kvlease.engine.payback); and `kvlease-quiet`, kvlease with all
-telemetry off, for the cost of telemetry. Every
+`fifo` (fair share off), `strict-fair` (fair share without slack), `fcfs-service`
+(`running` served first come, first served, not by class), `lru` (the seed's victim rule)
+and `no-payback` (reservation caps stay at the tier table's, kvlease.engine.payback);
+and `kvlease-quiet`, kvlease with all telemetry off, for the cost of telemetry. Every
 way but `alone` plays the trace `--repeats` times, all ways at once, one engine step
 of each in turn (`play_together`: this machine's speed drifts too much for ways played
 one after the other to compare), first way rotated each round; its wall time is the
@@ -66,6 +66,7 @@ ABLATION_SETTINGS: dict[str, dict[str, Any]] = {
     "no-lease-order": {"lease_order": False},  # unreserved leased blocks: plain LRU
     "no-admission": {"admission_preemption": False},  # waiting premium never preempts
     "fifo": {"fair_share": False},  # FIFO within a tier (before issue 18)
+    "strict-fair": {"fair_slack": 0},  # no slack: the oldest request never passes fair share
     "fcfs-service": {"class_service": False},  # `running` served first come, first served
     "lru": {"victim_rule": "lru"},  # the seed's victim rule
     "no-payback": {
