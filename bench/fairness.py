@@ -8,13 +8,17 @@ real in-process vLLM engine (demo model, 64-block pool, step clock). Closed
 loop, everyone backlogged: "heavy" keeps 80 requests outstanding, each of the
 four light tenants 8, and whoever's request finishes sends the next at once.
 Every request is 64 prompt tokens and 64 generated ones, so a request costs 192
-weighted tokens (kvlease.engine.fairness: prompt 1, generated 2). Three ways:
+weighted tokens (kvlease.engine.fairness: prompt 1, generated 2). The ways:
   fcfs     stock vLLM Scheduler, FCFS (requests in the order sent)
-  kvlease  TenantAwareScheduler, fair share on (the default)
+  kvlease  TenantAwareScheduler, fair share on with its slack (the defaults): the oldest
+           request (the heavy tenant's, sent first) goes first while its tenant is
+           within kvlease.engine.settings.FAIR_SLACK weighted tokens of the least served,
+           so the gap may grow by that much, and no more
   hog      kvlease, the light tenants keeping 1 request each: fair share is
            work-conserving, so the heavy tenant takes the rest of the pool
   capped   the same with the tier's max_tenant_kv_share = 0.5: the heavy
            tenant may hold half the pool, whatever it sends
+  strict   kvlease with fair_slack = 0: strict fair share
 Measured after a warm-up of 100 steps: each tenant's weighted service (tokens
 computed, counted per step by position: prompt or generated), Jain's fairness
 index over it, the heavy tenant's share, the worst gap between two tenants'
@@ -223,10 +227,11 @@ def main() -> int:
             "capped", model, kvlease, "fcfs", POOL_BLOCKS,
             {"tiers": str(capped_tiers(CAP_SHARE))}, max_len=512,
         ),
+        "strict": start_engine("strict", model, kvlease, "fcfs", POOL_BLOCKS, {"fair_slack": 0}),
     }  # fmt: skip
     ways = {}
     for name, engine in engines.items():
-        load = TENANTS if name in ("fcfs", "kvlease") else HOG
+        load = TENANTS if name in ("fcfs", "kvlease", "strict") else HOG
         ways[name] = play(engine or engines["kvlease"], steps, load)
         print(f"  {name:8} Jain {ways[name]['jain']:.3f}, heavy {ways[name]['heavy_share']:.0%}")
     result = {
