@@ -802,7 +802,8 @@ def _rules(tiers: TierTable) -> list[dict[str, Any]]:
                 "description": "While it had requests waiting, it was served "
                 "{{ $value | humanizePercentage }} of its weight's part of its tier's service "
                 "for 10 minutes: a per-tenant KV cap (max_tenant_kv_share) or preemptions "
-                "hold it back, or fair share is off (KVLEASE_FAIR_SHARE).",
+                "hold it back, fair share is off (KVLEASE_FAIR_SHARE), or its slack "
+                "(KVLEASE_FAIR_SLACK) is large against the tier's traffic.",
             },
         },
         {
