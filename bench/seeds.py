@@ -8,7 +8,8 @@ trace a switch can move a figure by more than it moves it on average, and the ne
 moves it the other way. This plays traces of the same shape (bench.workload.SPEC, seeds 1
 to 10) through `kvlease replay`'s engine (vLLM's real scheduler code, kvlease's mixin,
 synthetic model outputs) on bench/policy.py's step clock, 64 blocks and engine limits, where
-the replay reproduces the real engine's steps exactly (bench/replay.py: 0% error on seed 1).
+the replay reproduces the real engine's TTFTs, preemptions and hits exactly and its steps
+within one (seed 1: bench/results/policy.json against seeds.json).
 Ways: stock FCFS and PRIORITY, kvlease as shipped, each ablation (bench.policy), and
 `fair_slack` at several points (kvlease.engine.waiting_queue.FairBucket). Per way and seed,
 engine steps, wasted prefill and the free tier's worst TTFT against PRIORITY's on the same
@@ -17,7 +18,7 @@ leased hit, and on how many seeds each of issue 30's step, wasted-prefill and wo
 targets holds. Wasted prefill is the replay's count, as in bench/ablations.py: the computed
 tokens each preemption threw away, whether or not the prefix cache gave some back, plus
 earlier-turn context computed again; bench/policy.py counts only what was computed twice,
-so the same run reads higher here (seed 1, kvlease: 39,208 against 31,080).
+so the same run reads higher here (seed 1, strict fair share: 39,208 against 31,080).
 Results: bench/results/seeds.{json,md}.
 """
 
