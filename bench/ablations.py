@@ -13,9 +13,10 @@ every way in its own process, two at a time:
   and kvlease with one mechanism off or changed (bench.policy.ABLATION_SETTINGS).
 Sessions chain as a chat's do (a next turn follows the reply and a think time), so
 each way replays the same requests, released on its own clock. Figures per way: engine
-steps, seconds on the calibrated clock, wasted prefill (recomputed after preemption plus
-earlier-turn context computed again), premium TTFT, the leased next-turn hit (and what
-the caps allow at best), the free tier's worst TTFT. Results: bench/results/ablations.*.
+steps, seconds on the calibrated clock, wasted prefill (tokens computed twice after a
+preemption plus earlier-turn context computed again: bench/policy.py's count), premium
+TTFT, the leased next-turn hit (and what the caps allow at best), the free tier's worst
+TTFT. Results: bench/results/ablations.*.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def run_way(way: str, turns: list, pool: int, model: str) -> dict[str, Any]:
     return figures
 
 
+def computed_twice(s: Any) -> int:
+    """Tokens computed for a replayed request beyond the least it needed: bench/policy.py's
+    count (`_recomputed`), so the two benches' wasted prefill are the same figure. A
+    preemption's thrown-away tokens that the prefix cache gave back are not counted."""
+    return s.computed_tokens - (s.prompt_tokens - s.cached_tokens + s.output_tokens - 1)
+
+
 def summarize(result: Any, tiers: TierTable, pool: int) -> dict[str, Any]:
     caps = tiers.leased_caps(pool - 1)
     out: dict[str, Any] = {"tiers": {}}
@@ -97,7 +105,7 @@ def summarize(result: Any, tiers: TierTable, pool: int) -> dict[str, Any]:
                 sum(min(cap_tokens, s.cacheable) for s in leased) / cacheable if cacheable else None
             ),
         }
-    recomputed = sum(s.recomputed_tokens for s in result.served)
+    recomputed = sum(computed_twice(s) for s in result.served)
     context = sum(s.cacheable - min(s.cached_tokens, s.cacheable) for s in result.served)
     out.update(
         requests=len(result.served),

@@ -7,7 +7,7 @@ Fidelity: bench/policy.py's trace plays on a real in-process kvlease engine (the
 demo model, 64 blocks, arrivals at fixed steps), and the replay plays the same
 trace on the same step clock with the engine's own limits. Per tier: TTFT in
 steps (mean, p50, p99), preemptions, and the leased next-turn prefix hit; each
-with its relative error.
+with its relative error; engine-wide, steps and wasted prefill (bench/policy.py's count).
 
 Speed: a seeded week of chat sessions at about one request per second (the
 workload of bench/workload.py, longer), replayed by `kvlease replay`'s own code
@@ -27,9 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench import report
+from bench import ablations, policy, report
 from bench.inprocess import start_engine
-from bench.policy import play
 from bench.workload import SPEC, load
 from kvlease.demo.workload import generate
 from kvlease.engine.tenancy import TierTable
@@ -86,7 +85,7 @@ def fidelity(model: str, quick: bool) -> dict[str, Any]:
     turns = load(quick)
     tiers = TierTable.load()
     engine = start_engine("kvlease", model, TenantAwareScheduler, "fcfs", POOL)
-    run = play(engine, turns, "real", SPS, tiers)
+    run = policy.play(engine, turns, "real", SPS, tiers)
     real = _figures(_served(run, tiers), tiers)
     config = engine.llm.vllm_config.scheduler_config
     replay = simulate(
@@ -111,6 +110,12 @@ def fidelity(model: str, quick: bool) -> dict[str, Any]:
         "trace": "quick" if quick else "seeded",
         "requests": len(run.requests),
         "engine_steps": {"real": run.busy_steps, "replay": replay.steps},
+        "wasted_prefill_tokens": {  # each bench's own count: the same rule
+            "real": policy.summarize(run, tiers, tiers.leased_caps(POOL - 1))[
+                "wasted_prefill_tokens"
+            ],
+            "replay": ablations.summarize(replay, tiers, POOL)["wasted_prefill_tokens"],
+        },
         "rows": rows,
     }
 
@@ -155,7 +160,9 @@ def markdown(result: dict[str, Any]) -> str:
     f = result["fidelity"]
     lines = [
         f"Fidelity: the {f['trace']} trace ({f['requests']} requests), real engine "
-        f"({f['engine_steps']['real']} steps) against replay ({f['engine_steps']['replay']}).",
+        f"({f['engine_steps']['real']} steps) against replay ({f['engine_steps']['replay']}); "
+        f"wasted prefill {f['wasted_prefill_tokens']['real']:,} tokens against "
+        f"{f['wasted_prefill_tokens']['replay']:,}.",
         "",
         "| tier | figure | real engine | replay | error |",
         "|---|---|---|---|---|",

@@ -60,7 +60,8 @@ class Served:
     first_s: float = 0.0
     cached_tokens: int = 0
     preemptions: int = 0
-    recomputed_tokens: int = 0
+    recomputed_tokens: int = 0  # computed tokens its preemptions threw away
+    computed_tokens: int = 0  # tokens the engine computed for it, work done twice included
     block_seconds: float = 0.0
     reserved_seconds: float = 0.0  # KV retention after it: its session's blocks, reserved
     retained_seconds: float = 0.0  # ... and retained, until the session's next turn
@@ -177,6 +178,9 @@ def simulate(
         if prefill == 0 and max_stride > 1:
             stride = _stride(scheduler, out, step_s, clock.now, trace.next_step(), ticks)
             stride = min(stride, max_stride)
+        for request_id, tokens in out.num_scheduled_tokens.items():
+            # a stride's decodes are scheduled at the step after it (see _stride)
+            live[request_id][0].computed_tokens += tokens
         _, outputs = step(scheduler, out, stride)
         if stride > 1:
             scheduler.account_stride(stride)

@@ -128,6 +128,8 @@ def test_seeds_benchmark_replays_every_way_on_every_seed_and_counts_the_targets_
     for row in result["aggregate"].values():
         assert all(0 <= row[key]["met"] <= len(seeds) for key in ("engine_steps", "free_worst"))
         assert row["engine_steps"]["min"] <= row["engine_steps"]["median"]
+        assert row["premium_hit_of_caps"] >= 0  # the hit against what the caps allow
+        assert 0 <= row["premium_hit_met"] <= len(seeds)
     table = (out / "seeds-quick.md").read_text()
     assert all(f"| {way} | " in table for way in WAYS)
 
@@ -205,6 +207,8 @@ def test_replay_benchmark_matches_the_real_engine_and_replays_both_sides(out, kv
     fidelity = result["fidelity"]
     # The real run may end with one more step: vLLM hands its last finished ids on.
     assert 0 <= fidelity["engine_steps"]["real"] - fidelity["engine_steps"]["replay"] <= 1
+    wasted = fidelity["wasted_prefill_tokens"]  # one rule, so the benches' figures compare
+    assert wasted["real"] == wasted["replay"]
     errors = [row["error"] for row in fidelity["rows"] if row["error"] is not None]
     assert errors and max(errors) <= 0.10
     speed = result["speed"]

@@ -240,7 +240,15 @@ def test_a_stride_of_decode_steps_changes_no_figure(demo_model):
 
         def seen(replay):
             return sorted(
-                (s.tenant, s.turn, s.arrival_step, s.first_step, s.cached_tokens, s.preemptions)
+                (
+                    s.tenant,
+                    s.turn,
+                    s.arrival_step,
+                    s.first_step,
+                    s.cached_tokens,
+                    s.preemptions,
+                    s.computed_tokens,
+                )
                 for s in replay.served
             )
 
