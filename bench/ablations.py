@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.policy import ABLATION_SETTINGS, ABLATIONS
+from bench.policy import ABLATION_SETTINGS, ABLATIONS, computed_twice
 from bench.workload import SPEC
 from kvlease.demo.workload import TIERS, generate
 from kvlease.engine.tenancy import TierTable
@@ -74,13 +74,6 @@ def run_way(way: str, turns: list, pool: int, model: str) -> dict[str, Any]:
     return figures
 
 
-def computed_twice(s: Any) -> int:
-    """Tokens computed for a replayed request beyond the least it needed: bench/policy.py's
-    count (`_recomputed`), so the two benches' wasted prefill are the same figure. A
-    preemption's thrown-away tokens that the prefix cache gave back are not counted."""
-    return s.computed_tokens - (s.prompt_tokens - s.cached_tokens + s.output_tokens - 1)
-
-
 def summarize(result: Any, tiers: TierTable, pool: int) -> dict[str, Any]:
     caps = tiers.leased_caps(pool - 1)
     out: dict[str, Any] = {"tiers": {}}
@@ -105,7 +98,10 @@ def summarize(result: Any, tiers: TierTable, pool: int) -> dict[str, Any]:
                 sum(min(cap_tokens, s.cacheable) for s in leased) / cacheable if cacheable else None
             ),
         }
-    recomputed = sum(computed_twice(s) for s in result.served)
+    recomputed = sum(
+        computed_twice(s.computed_tokens, s.prompt_tokens, s.cached_tokens, s.output_tokens)
+        for s in result.served
+    )
     context = sum(s.cacheable - min(s.cached_tokens, s.cacheable) for s in result.served)
     out.update(
         requests=len(result.served),

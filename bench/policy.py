@@ -286,11 +286,17 @@ def _cacheable(r: Request) -> int:
     return r.arrival.cacheable(BLOCK_SIZE)
 
 
-def _recomputed(r: Request, obs: Observations) -> int:
+def computed_twice(computed: int, prompt: int, cached: int, output: int) -> int:
     """Tokens computed beyond the minimum: prompt minus the prefix-cache hit, plus the
-    reply (its last token is never fed back). Zero for a request never preempted."""
-    needed = len(r.arrival.prompt) - r.cached + len(r.output) - 1
-    return obs.computed[r.arrival.request_id] - needed
+    reply (its last token is never fed back). Zero for a request never preempted; a
+    preemption's thrown-away tokens that the prefix cache gave back do not count. The one
+    rule of wasted prefill, here and in the replay's benches (bench.ablations)."""
+    return computed - (prompt - cached + output - 1)
+
+
+def _recomputed(r: Request, obs: Observations) -> int:
+    computed = obs.computed[r.arrival.request_id]
+    return computed_twice(computed, len(r.arrival.prompt), r.cached, len(r.output))
 
 
 def targets(ways: dict[str, dict]) -> list[dict]:

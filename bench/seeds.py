@@ -15,7 +15,7 @@ Ways: stock FCFS and PRIORITY, kvlease as shipped, each ablation (bench.policy),
 `fair_slack` at several points (kvlease.engine.waiting_queue.FairBucket), and the tier
 table's `reserve_quantile` at 0.5 and 0.9 (bench/frontier.py's knob, there on one trace).
 Per way and seed, engine steps, wasted prefill (bench/policy.py's count,
-bench.ablations.computed_twice) and the free tier's worst TTFT against PRIORITY's on the
+bench.policy.computed_twice) and the free tier's worst TTFT against PRIORITY's on the
 same seed; the table gives their median and range over seeds, the median premium TTFT and
 leased hit, and on how many seeds each of issue 30's targets holds (steps, wasted
 prefill, worst TTFT, and the leased hit against what the caps allow).
