@@ -69,6 +69,21 @@ def test_running_is_served_by_class_then_admission_every_step(cls, demo_model):
     _run(scheduler, each_step=ordered)
 
 
+@pytest.mark.parametrize("cls", CLASSES)
+def test_admissions_in_one_step_take_turns_by_fair_share(cls, demo_model):
+    """Each admission's prompt is charged before vLLM peeks for the next one, so within
+    one step two tenants of a tier alternate (strict fair share), not one tenant's backlog
+    first; and the step's admissions end in service order."""
+    scheduler = _scheduler(cls, demo_model, blocks=64, fair_slack=0)
+    for tenant in ("a", "a", "a", "b", "b", "b"):
+        scheduler.add_request(make_request(tenant, "free", 64, 8))
+    out, _ = step(scheduler)
+    tenants = [scheduler.kvlease.tenancy[new.req_id].tenant_id for new in out.scheduled_new_reqs]
+    assert tenants == ["a", "b", "a", "b", "a", "b"]
+    keys = [scheduler._service_key(r) for r in scheduler.running]
+    assert keys == sorted(keys)
+
+
 @pytest.mark.parametrize(
     ("rule", "first_victim"), [("lru", "old-long"), ("least_work", "new-short")]
 )
