@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.policy import ABLATION_SETTINGS, ABLATIONS, computed_twice
+from bench.policy import ABLATION_SETTINGS, ABLATIONS, computed_twice, context_again
 from bench.workload import SPEC
 from kvlease.demo.workload import TIERS, generate
 from kvlease.engine.tenancy import TierTable
@@ -102,7 +102,7 @@ def summarize(result: Any, tiers: TierTable, pool: int) -> dict[str, Any]:
         computed_twice(s.computed_tokens, s.prompt_tokens, s.cached_tokens, s.output_tokens)
         for s in result.served
     )
-    context = sum(s.cacheable - min(s.cached_tokens, s.cacheable) for s in result.served)
+    context = sum(context_again(s.cacheable, s.cached_tokens) for s in result.served)
     out.update(
         requests=len(result.served),
         dropped_turns=result.dropped,

@@ -230,7 +230,7 @@ def summarize(run: Run, tiers: TierTable, caps: dict[str, int]) -> dict[str, Any
         cacheable = sum(_cacheable(r) for r in leased)
         cap_tokens = caps.get(tier, 0) * BLOCK_SIZE
         shared = _shared_cap_kept(leased, previous, caps.get(tier, 0))
-        lost_context = sum(_cacheable(r) - min(r.cached, _cacheable(r)) for r in reqs)
+        lost_context = sum(context_again(_cacheable(r), r.cached) for r in reqs)
         output_tokens += sum(len(r.output) for r in reqs)
         out["tiers"][tier] = {
             "requests": len(reqs),
@@ -292,6 +292,12 @@ def computed_twice(computed: int, prompt: int, cached: int, output: int) -> int:
     preemption's thrown-away tokens that the prefix cache gave back do not count. The one
     rule of wasted prefill, here and in the replay's benches (bench.ablations)."""
     return computed - (prompt - cached + output - 1)
+
+
+def context_again(cacheable: int, cached: int) -> int:
+    """Earlier-turn context a next turn computed again: its cacheable prefix beyond its
+    prefix-cache hit. The other part of wasted prefill, beside `computed_twice`."""
+    return cacheable - min(cached, cacheable)
 
 
 def _recomputed(r: Request, obs: Observations) -> int:

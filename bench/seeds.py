@@ -69,30 +69,37 @@ POOLS = {
 LEASED_HIT_OF_CAPS = 0.90  # issue 30: a leased next turn's hit, of what the caps allow
 
 
-def run_one(seed: int, way: str, quick: bool, model: str, pool: int) -> dict[str, Any]:
-    """One way's replay of one seed's trace, and its figures (in a worker process)."""
+def run_one(
+    seed: int, setting: dict[str, Any] | str, quick: bool, model: str, pool: int
+) -> dict[str, Any]:
+    """One way's replay of one seed's trace, and its figures (in a worker process).
+    `setting`: stock vLLM's policy (str) or kvlease's settings (dict, `resolved`)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from kvlease.replay.clock import StepCost
     from kvlease.replay.simulate import simulate
 
     turns = generate(replace(QUICK_SPEC if quick else SPEC, seed=seed))
     tiers = TierTable.load()
-    setting = WAYS[way]
-    with tempfile.TemporaryDirectory(prefix="kvlease-seeds-") as folder:
-        if isinstance(setting, float):
-            text = SHIPPED.read_text(encoding="utf-8")
-            setting = {"tiers": str(tier_file(text, setting, Path(folder)))}
-        result = simulate(
-            turns,
-            tiers,
-            pool,
-            StepCost.fixed(STEPS_PER_SECOND),
-            model,
-            **LIMITS,
-            settings=setting if isinstance(setting, dict) else None,
-            stock=setting if isinstance(setting, str) else None,
-        )
+    result = simulate(
+        turns,
+        tiers,
+        pool,
+        StepCost.fixed(STEPS_PER_SECOND),
+        model,
+        **LIMITS,
+        settings=setting if isinstance(setting, dict) else None,
+        stock=setting if isinstance(setting, str) else None,
+    )
     return summarize(result, tiers, pool)
+
+
+def resolved(folder: Path) -> dict[str, dict[str, Any] | str]:
+    """WAYS with each quantile way's tier table written into `folder`, once per run."""
+    text = SHIPPED.read_text(encoding="utf-8")
+    return {
+        way: {"tiers": str(tier_file(text, s, folder))} if isinstance(s, float) else s
+        for way, s in WAYS.items()
+    }
 
 
 def ratios(figures: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
@@ -206,9 +213,13 @@ def main() -> int:
     first = QUICK_SPEC.seed if args.quick else SPEC.seed  # each a trace with every tier
     seeds = list(range(first, first + (args.seeds or (2 if args.quick else 10))))
     spawn = get_context("spawn")  # vLLM's rule: never fork after it loads
-    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=spawn) as workers:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvlease-seeds-") as folder,
+        ProcessPoolExecutor(max_workers=args.jobs, mp_context=spawn) as workers,
+    ):
+        settings = resolved(Path(folder))
         futures = {
-            (way, seed): workers.submit(run_one, seed, way, args.quick, model, args.pool)
+            (way, seed): workers.submit(run_one, seed, settings[way], args.quick, model, args.pool)
             for seed in seeds
             for way in WAYS
         }
