@@ -16,9 +16,11 @@ Ways: stock FCFS and PRIORITY, kvlease as shipped, each ablation (bench.policy),
 table's `reserve_quantile` at 0.5 and 0.9 (bench/frontier.py's knob, there on one trace).
 Per way and seed, engine steps, wasted prefill (bench/policy.py's count,
 bench.policy.computed_twice) and the free tier's worst TTFT against PRIORITY's on the
-same seed; the table gives their median and range over seeds, the median premium TTFT and
-leased hit, and on how many seeds each of issue 30's targets holds (steps, wasted
-prefill, worst TTFT, and the leased hit against what the caps allow).
+same seed, and premium's mean TTFT against premium alone's (the seed's premium requests
+only, on kvlease: bench/policy.py's `alone`); the table gives their median and range over
+seeds, the median leased hit, and on how many seeds each of issue 30's targets holds
+(steps, wasted prefill, worst TTFT, premium TTFT within a step of alone's, and the leased
+hit against what the caps allow).
 Results: bench/results/seeds.{json,md} (64 blocks), seeds-128.{json,md}.
 """
 
@@ -67,18 +69,22 @@ POOLS = {
     128: {"engine_steps": 1.05},
 }
 LEASED_HIT_OF_CAPS = 0.90  # issue 30: a leased next turn's hit, of what the caps allow
+PREMIUM_OVER_ALONE = 1.0  # issue 30: premium's mean TTFT at most this many steps over alone's
+ALONE = "alone"  # the seed's premium requests only, on kvlease as shipped (not a way)
 
 
 def run_one(
     seed: int, setting: dict[str, Any] | str, quick: bool, model: str, pool: int
 ) -> dict[str, Any]:
     """One way's replay of one seed's trace, and its figures (in a worker process).
-    `setting`: stock vLLM's policy (str) or kvlease's settings (dict, `resolved`)."""
+    `setting`: stock vLLM's policy (str), kvlease's settings (dict, `resolved`), or ALONE."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from kvlease.replay.clock import StepCost
     from kvlease.replay.simulate import simulate
 
     turns = generate(replace(QUICK_SPEC if quick else SPEC, seed=seed))
+    if setting == ALONE:
+        turns, setting = [t for t in turns if t.tier == TIERS[0]], {}
     tiers = TierTable.load()
     result = simulate(
         turns,
@@ -94,12 +100,14 @@ def run_one(
 
 
 def resolved(folder: Path) -> dict[str, dict[str, Any] | str]:
-    """WAYS with each quantile way's tier table written into `folder`, once per run."""
+    """WAYS, and ALONE, with each quantile way's tier table written into `folder`, once
+    per run."""
     text = SHIPPED.read_text(encoding="utf-8")
-    return {
+    ways = {
         way: {"tiers": str(tier_file(text, s, folder))} if isinstance(s, float) else s
         for way, s in WAYS.items()
     }
+    return {**ways, ALONE: ALONE}
 
 
 def ratios(figures: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
@@ -119,28 +127,39 @@ def ratios(figures: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def spread(values: list[float], most: float | None) -> dict[str, Any]:
+    """Median and range over seeds, and on how many seeds `values` are at most `most`."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "met": None if most is None else sum(v <= most for v in values),
+    }
+
+
 def aggregate(
-    runs: dict[str, dict[int, dict[str, Any]]], targets: dict[str, float]
+    runs: dict[str, dict[int, dict[str, Any]]],
+    alone: dict[int, dict[str, Any]],
+    targets: dict[str, float],
 ) -> dict[str, Any]:
-    """Per way: each ratio's median, range and the seeds meeting its target; the median
-    premium TTFT; per leasing tier the median leased hit, and the median of its share of
-    what the caps allow with the seeds on which that is at least LEASED_HIT_OF_CAPS."""
+    """Per way: each ratio's median, range and the seeds meeting its target; premium's mean
+    TTFT over premium alone's, the same way (at most PREMIUM_OVER_ALONE steps); per leasing
+    tier the median leased hit, and the median of its share of what the caps allow with
+    the seeds on which that is at least LEASED_HIT_OF_CAPS."""
     top = TIERS[0]
+
+    def premium_mean(figures: dict[str, Any]) -> float:
+        return figures["tiers"][top]["ttft_steps"]["mean"] if top in figures["tiers"] else 0.0
+
     out = {}
     for way, by_seed in runs.items():
         per_seed = {s: ratios(f, runs["priority"][s]) for s, f in by_seed.items()}
-        row: dict[str, Any] = {}
-        for key in RATIOS:
-            values = [r[key] for r in per_seed.values()]
-            most = targets.get(key)
-            row[key] = {
-                "median": statistics.median(values),
-                "min": min(values),
-                "max": max(values),
-                "met": None if most is None else sum(v <= most for v in values),
-            }
-        row["premium_ttft_mean"] = statistics.median(
-            f["tiers"][top]["ttft_steps"]["mean"] for f in by_seed.values() if top in f["tiers"]
+        row: dict[str, Any] = {
+            key: spread([r[key] for r in per_seed.values()], targets.get(key)) for key in RATIOS
+        }
+        row["premium_over_alone"] = spread(
+            [premium_mean(f) - premium_mean(alone[s]) for s, f in by_seed.items()],
+            PREMIUM_OVER_ALONE,
         )
         for tier in TIERS[:2]:
             figures = [f["tiers"].get(tier, {}) for f in by_seed.values()]
@@ -168,11 +187,12 @@ def markdown(result: dict[str, Any]) -> str:
         "prefill as bench/policy.py counts it (tokens computed twice after a preemption, plus "
         "earlier-turn context computed again). Leased hit: the median, and in brackets the "
         "median of its share of what the caps allow, with the seeds on which that share is "
-        f"at least {LEASED_HIT_OF_CAPS:.0%}.",
+        f"at least {LEASED_HIT_OF_CAPS:.0%}. Premium TTFT: its mean in steps minus premium "
+        "alone's (the seed's premium requests only, on kvlease), the same way.",
         "",
         f"| way | engine steps{target('engine_steps')} | wasted prefill"
         f"{target('wasted_prefill_tokens')} | free worst TTFT{target('free_worst')} "
-        "| premium TTFT steps, median mean "
+        f"| premium TTFT over alone's (<= +{PREMIUM_OVER_ALONE:.0f}) "
         "| leased hit premium | leased hit standard |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -180,6 +200,9 @@ def markdown(result: dict[str, Any]) -> str:
     def cell(f: dict[str, float]) -> str:
         met = "" if f["met"] is None else f", {f['met']}/{n}"
         return f"{f['median']:.2f}x ({f['min']:.2f}-{f['max']:.2f}){met}"
+
+    def steps(f: dict[str, float]) -> str:
+        return f"{f['median']:+.1f} ({f['min']:+.1f} to {f['max']:+.1f}), {f['met']}/{n}"
 
     def hit(row: dict[str, Any], tier: str) -> str:
         if row[f"{tier}_hit"] is None:
@@ -192,7 +215,7 @@ def markdown(result: dict[str, Any]) -> str:
     for way, row in result["aggregate"].items():
         lines.append(
             f"| {way} | {cell(row['engine_steps'])} | {cell(row['wasted_prefill_tokens'])} | "
-            f"{cell(row['free_worst'])} | {row['premium_ttft_mean']:.1f} | "
+            f"{cell(row['free_worst'])} | {steps(row['premium_over_alone'])} | "
             f"{hit(row, TIERS[0])} | {hit(row, TIERS[1])} |"
         )
     return "\n".join(lines) + "\n"
@@ -219,21 +242,23 @@ def main() -> int:
     ):
         settings = resolved(Path(folder))
         futures = {
-            (way, seed): workers.submit(run_one, seed, settings[way], args.quick, model, args.pool)
+            (way, seed): workers.submit(run_one, seed, setting, args.quick, model, args.pool)
             for seed in seeds
-            for way in WAYS
+            for way, setting in settings.items()
         }
-        runs: dict[str, dict[int, dict[str, Any]]] = {way: {} for way in WAYS}
+        runs: dict[str, dict[int, dict[str, Any]]] = {way: {} for way in settings}
         for (way, seed), future in futures.items():
             runs[way][seed] = future.result()
         print(f"  {len(futures)} replays done", flush=True)
+    alone = runs.pop(ALONE)
     result = {
         "pool": args.pool,
         "targets": POOLS[args.pool],
         "seeds": seeds,
         "requests": sum(runs["priority"][s]["requests"] for s in seeds),
         "runs": runs,
-        "aggregate": aggregate(runs, POOLS[args.pool]),
+        "alone": alone,
+        "aggregate": aggregate(runs, alone, POOLS[args.pool]),
         "machine": report.machine(),
     }
     name = "seeds-quick" if args.quick else "seeds"

@@ -123,6 +123,11 @@ def test_seeds_benchmark_replays_every_way_on_every_seed_and_counts_the_targets_
     assert len(seeds) == 2 and set(result["runs"]) == set(WAYS)
     for seed in seeds:  # on one seed every way serves the same requests
         assert len({result["runs"][way][seed]["requests"] for way in WAYS}) == 1
+        # premium alone plays exactly that seed's premium requests (a seed may have none)
+        alone = result["alone"][seed]
+        premium = result["runs"]["kvlease"][seed]["tiers"].get("premium", {"requests": 0})
+        assert set(alone["tiers"]) <= {"premium"}
+        assert alone["requests"] == premium["requests"]
     stock = result["aggregate"]["priority"]
     assert all(stock[key]["median"] == 1.0 for key in ("engine_steps", "free_worst"))
     for row in result["aggregate"].values():
@@ -130,6 +135,7 @@ def test_seeds_benchmark_replays_every_way_on_every_seed_and_counts_the_targets_
         assert row["engine_steps"]["min"] <= row["engine_steps"]["median"]
         assert row["premium_hit_of_caps"] >= 0  # the hit against what the caps allow
         assert 0 <= row["premium_hit_met"] <= len(seeds)
+        assert 0 <= row["premium_over_alone"]["met"] <= len(seeds)
     table = (out / "seeds-quick.md").read_text()
     assert all(f"| {way} | " in table for way in WAYS)
 
