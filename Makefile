@@ -60,6 +60,8 @@ bench: $(STAMP)
 	$(PY) -m bench.replay $(BENCH_ARGS)
 	$(PY) -m bench.ablations $(BENCH_ARGS)
 	$(PY) -m bench.seeds $(BENCH_ARGS)
+	$(PY) -m bench.seeds --pool 128 $(BENCH_ARGS)
+	$(PY) -m bench.seeds --one-shot $(BENCH_ARGS)
 
 # docs/'s screenshots, taken by the browser test from the real page under load.
 screenshots: $(STAMP) deb

@@ -2,6 +2,7 @@
 
     python -m bench.seeds               # seeds 1-10 (seed 1 is bench/policy.py's trace)
     python -m bench.seeds --pool 128    # the same on bench/policy.py's larger pool
+    python -m bench.seeds --one-shot    # ten traces whose every session is used once
     python -m bench.seeds --quick       # two seeds of the smoke-test trace (CI)
 
 One seeded trace ranks the mechanisms by accident as often as by cause: on bench/policy.py's
@@ -21,7 +22,9 @@ only, on kvlease: bench/policy.py's `alone`); the table gives their median and r
 seeds, the median leased hit, and on how many seeds each of issue 30's targets holds
 (steps, wasted prefill, worst TTFT, premium TTFT within a step of alone's, and the leased
 hit against what the caps allow).
-Results: bench/results/seeds.{json,md} (64 blocks), seeds-128.{json,md}.
+Results: bench/results/seeds.{json,md} (64 blocks), seeds-128.{json,md}, and
+seeds-one-shot.{json,md} (bench.workload.ONE_SHOT_SPEC: issue 30 holds one-shot traffic to
+the steps and premium's TTFT).
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from bench import report
 from bench.ablations import summarize
 from bench.frontier import SHIPPED, tier_file
 from bench.policy import ABLATION_SETTINGS, POOL_BLOCKS
-from bench.workload import QUICK_SPEC, SPEC
-from kvlease.demo.workload import TIERS, generate
+from bench.workload import ONE_SHOT_SPEC, QUICK_SPEC, SPEC
+from kvlease.demo.workload import TIERS, WorkloadSpec, generate
 from kvlease.engine.tenancy import TierTable
 
 RESULTS = Path(__file__).parent / "results"
@@ -68,21 +71,23 @@ POOLS = {
     POOL_BLOCKS: {"engine_steps": 1.03, "wasted_prefill_tokens": 0.90, "free_worst": 1.25},
     128: {"engine_steps": 1.05},
 }
+ONE_SHOT_TARGETS = {"engine_steps": 1.03}  # issue 30, with premium's TTFT (as on every trace)
 LEASED_HIT_OF_CAPS = 0.90  # issue 30: a leased next turn's hit, of what the caps allow
 PREMIUM_OVER_ALONE = 1.0  # issue 30: premium's mean TTFT at most this many steps over alone's
 ALONE = "alone"  # the seed's premium requests only, on kvlease as shipped (not a way)
 
 
 def run_one(
-    seed: int, setting: dict[str, Any] | str, quick: bool, model: str, pool: int
+    seed: int, setting: dict[str, Any] | str, spec: WorkloadSpec, model: str, pool: int
 ) -> dict[str, Any]:
-    """One way's replay of one seed's trace, and its figures (in a worker process).
+    """One way's replay of the trace of shape `spec` and seed `seed`, and its figures
+    (in a worker process).
     `setting`: stock vLLM's policy (str), kvlease's settings (dict, `resolved`), or ALONE."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from kvlease.replay.clock import StepCost
     from kvlease.replay.simulate import simulate
 
-    turns = generate(replace(QUICK_SPEC if quick else SPEC, seed=seed))
+    turns = generate(replace(spec, seed=seed))
     if setting == ALONE:
         turns, setting = [t for t in turns if t.tier == TIERS[0]], {}
     tiers = TierTable.load()
@@ -181,7 +186,8 @@ def markdown(result: dict[str, Any]) -> str:
         return f" (<= {most[key]:.2f}x)" if key in most else ""
 
     lines = [
-        f"{n} seeded traces ({result['requests']:,} requests in all), {result['pool']} blocks, "
+        f"{n} seeded {result['trace']} traces ({result['requests']:,} requests in all), "
+        f"{result['pool']} blocks, "
         "bench/policy.py's step clock; each ratio against stock PRIORITY on the same seed, "
         f"as median (range), and the seeds of {n} on which issue 30's target holds. Wasted "
         "prefill as bench/policy.py counts it (tokens computed twice after a preemption, plus "
@@ -226,6 +232,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="two seeds of the smoke trace")
     parser.add_argument("--seeds", type=int, default=None, help="how many (default 10)")
     parser.add_argument("--pool", type=int, choices=sorted(POOLS), default=POOL_BLOCKS)
+    parser.add_argument("--one-shot", action="store_true", help="sessions that never return")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -233,7 +240,9 @@ def main() -> int:
     from kvlease.demo.model import ensure_demo_model
 
     model = str(ensure_demo_model())
-    first = QUICK_SPEC.seed if args.quick else SPEC.seed  # each a trace with every tier
+    spec = QUICK_SPEC if args.quick else ONE_SHOT_SPEC if args.one_shot else SPEC
+    targets = ONE_SHOT_TARGETS if args.one_shot else POOLS[args.pool]
+    first = spec.seed  # the quick trace's first seed has every tier
     seeds = list(range(first, first + (args.seeds or (2 if args.quick else 10))))
     spawn = get_context("spawn")  # vLLM's rule: never fork after it loads
     with (
@@ -242,7 +251,7 @@ def main() -> int:
     ):
         settings = resolved(Path(folder))
         futures = {
-            (way, seed): workers.submit(run_one, seed, setting, args.quick, model, args.pool)
+            (way, seed): workers.submit(run_one, seed, setting, spec, model, args.pool)
             for seed in seeds
             for way, setting in settings.items()
         }
@@ -253,15 +262,16 @@ def main() -> int:
     alone = runs.pop(ALONE)
     result = {
         "pool": args.pool,
-        "targets": POOLS[args.pool],
+        "trace": "one-shot" if args.one_shot else "multi-turn",
+        "targets": targets,
         "seeds": seeds,
         "requests": sum(runs["priority"][s]["requests"] for s in seeds),
         "runs": runs,
         "alone": alone,
-        "aggregate": aggregate(runs, alone, POOLS[args.pool]),
+        "aggregate": aggregate(runs, alone, targets),
         "machine": report.machine(),
     }
-    name = "seeds-quick" if args.quick else "seeds"
+    name = "seeds-quick" if args.quick else "seeds-one-shot" if args.one_shot else "seeds"
     if args.pool != POOL_BLOCKS:
         name += f"-{args.pool}"
     report.write(args.out, name, result, markdown(result))
