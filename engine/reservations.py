@@ -34,6 +34,12 @@ The rule, per tier (`reserve` in the tier table):
           a session that answers within seconds is reserved for seconds, not for the
           300 s of its lease.
 
+          A window granted on the prior (no history yet) is provisional: when the
+          tier's evidence turns (MIN_HISTORY turns ended, none returned, so p is below
+          reserve_min_return) the provisional windows still open close at once
+          (`take_withdrawn`); a first return keeps them. Else a cold start on one-shot
+          traffic held each tier's first sessions' blocks for reserve_max_seconds.
+
 Only the end of a turn opens a window: what a session frees while its turn still runs
 (a preempted request, one of several in flight finishing) waits for no return, so it is
 only retained. The window never outlives the lease, and the caps bound what is reserved at once
@@ -141,6 +147,8 @@ class ReturnModel:
     Invariant: `_ended[s]` is the time session s's last turn ended, for exactly the
     sessions between turns that the scheduler has not forgotten; each turn is counted
     once in its session's, tenant's and tier's history, and each return once as well.
+    `_provisional[tier]` holds the sessions whose window came from the prior alone, until
+    the tier's first return or its evidence turns: at most MIN_HISTORY - 1 per tier.
     """
 
     def __init__(self) -> None:
@@ -148,6 +156,8 @@ class ReturnModel:
         self._tenants: dict[Hashable, History] = {}
         self._tiers: dict[str, History] = {}
         self._ended: dict[Hashable, float] = {}
+        self._provisional: dict[str, list[Hashable]] = {}  # tier -> sessions windowed on the prior
+        self._withdrawn: list[Hashable] = []  # their sessions, once the tier's evidence turned
 
     def _histories(self, session: Hashable, tenant: Hashable, tier: str) -> list[History]:
         return [
@@ -163,6 +173,7 @@ class ReturnModel:
         if ended is None:
             return
         gap = max(0.0, now - ended)
+        self._provisional.pop(tier, None)  # a return: the windows granted on the prior stand
         for history in self._histories(session, tenant, tier):
             history.returns += 1
             history.gaps.append(gap)
@@ -202,8 +213,18 @@ class ReturnModel:
         else:  # the turn that just ended (at `_ended[session]`) is one of them
             undecided = history.undecided(self._ended[session], think, self._ended)
         if history is not None and history.return_rate(undecided) < policy.min_return:
+            if think is None:  # turns ended and none came back: the prior was wrong
+                self._withdrawn.extend(self._provisional.pop(tier, ()))
             return 0.0
+        if history is None and think is None:  # on the prior alone
+            self._provisional.setdefault(tier, []).append(session)
         return window
+
+    def take_withdrawn(self) -> list[Hashable]:
+        """Sessions whose provisional windows (granted on the prior) should close now: their
+        tier's first MIN_HISTORY turns ended without a return. Each is given once."""
+        withdrawn, self._withdrawn = self._withdrawn, []
+        return withdrawn
 
     def tracked_sessions(self) -> int:
         return len(self._sessions)

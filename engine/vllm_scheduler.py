@@ -1083,6 +1083,11 @@ class TenantSchedulingMixin(_SchedulerBase):
         kv.retention.open(holder, now, request.request_id, request.client_index)
         if holder.reserving and holder.reserved_until < math.inf:
             heapq.heappush(kv.windows, (holder.reserved_until, next(kv.seq), t.session))
+        for session in kv.returns.take_withdrawn():
+            other = kv.holders.get(session)
+            if other is not None and other.reserving:
+                other.reserved_until = now
+                self._close_window(other, now)
 
     def _expire_leases(self) -> None:
         kv = self.kvlease
@@ -1091,8 +1096,7 @@ class TenantSchedulingMixin(_SchedulerBase):
             until, _, session = heapq.heappop(kv.windows)
             holder = kv.holders.get(session)
             if holder is not None and holder.reserving and holder.reserved_until == until:
-                kv.retention.integrate(holder, until, kv.label(holder.tenant_id))
-                kv.free_queue.retain(holder)  # protected by eviction order from now on
+                self._close_window(holder, until)
         for change in kv.leases.expire():
             kv.returns.forget(change.session)
             holder = kv.holders.get(change.session)
@@ -1102,6 +1106,13 @@ class TenantSchedulingMixin(_SchedulerBase):
             kv.free_queue.release(holder)
             self._lease_event(holder, "expire", change.expires_at, change.at)
             self._forget_if_idle(change.session, holder)
+
+    def _close_window(self, holder: Holder, at: float) -> None:
+        """The holder's reservation window closes at `at`: its reserved time is billed up to
+        then, and its blocks are protected by eviction order only from now on."""
+        kv = self.kvlease
+        kv.retention.integrate(holder, at, kv.label(holder.tenant_id))
+        kv.free_queue.retain(holder)
 
     def _close_retention(self, holder: Holder, at: float | None = None) -> None:
         """End the holder's time between turns (at `at`, else now) and report it."""

@@ -49,6 +49,37 @@ def test_one_shot_sessions_soon_reserve_nothing():
     assert windows[MIN_HISTORY - 1 :] == [0.0] * (10 - MIN_HISTORY + 1)
 
 
+def test_windows_granted_on_the_prior_close_when_the_tiers_first_turns_do_not_return():
+    model = ReturnModel()
+    for n in range(MIN_HISTORY - 1):  # no history yet: the prior reserves
+        model.turn_ended(f"s{n}", "acme", "premium", float(n))
+        assert model.window(f"s{n}", "acme", "premium", 300.0, AUTO) == AUTO.max_seconds
+        assert model.take_withdrawn() == []
+    model.turn_ended("standard", "bob", "standard", 1.5)  # another tier's evidence is its own
+    model.window("standard", "bob", "standard", 300.0, AUTO)
+    last = f"s{MIN_HISTORY - 1}"
+    model.turn_ended(last, "acme", "premium", 10.0)
+    # MIN_HISTORY turns, no return: the rate is below 1/2, so this turn reserves nothing
+    # and the windows the prior opened are withdrawn, each once.
+    assert model.window(last, "acme", "premium", 300.0, AUTO) == 0.0
+    assert model.take_withdrawn() == [f"s{n}" for n in range(MIN_HISTORY - 1)]
+    assert model.take_withdrawn() == []
+
+
+def test_a_return_keeps_the_windows_granted_on_the_prior():
+    model = ReturnModel()
+    model.turn_ended("s0", "acme", "premium", 0.0)
+    model.window("s0", "acme", "premium", 300.0, AUTO)
+    model.turn_ended("s1", "acme", "premium", 1.0)
+    model.window("s1", "acme", "premium", 300.0, AUTO)
+    model.turn_started("s0", "acme", "premium", 3.0)  # s0 came back: the prior was right
+    for n in range(2, 8):  # later one-shot sessions pull the rate below 1/2 ...
+        model.turn_ended(f"s{n}", "acme", "premium", 10.0 * n)
+        window = model.window(f"s{n}", "acme", "premium", 300.0, AUTO)
+    assert window == 0.0
+    assert model.take_withdrawn() == []  # ... but only the prior's windows are provisional
+
+
 def test_a_new_session_starts_from_its_tenants_history_then_its_tiers():
     model = ReturnModel()
     _turns(model, "old", [1.0, 1.0, 1.0], tenant="acme")
@@ -136,6 +167,9 @@ def test_the_window_never_outlives_the_lease_nor_the_tier_bound(ops, policy, lea
                 assert window <= policy.max_seconds
             if policy.mode is ReserveMode.NEVER:
                 assert window == 0.0
+            # windows on the prior alone are remembered for a tier's first turns only
+            assert len(model._provisional.get("premium", ())) < MIN_HISTORY
+            assert len(model.take_withdrawn()) < MIN_HISTORY
         elif op == "start":
             model.turn_started(session, tenant, "premium", now)
         else:

@@ -579,6 +579,16 @@ def test_one_shot_sessions_reserve_nothing_once_their_tenant_has_shown_they_neve
     # Two turns on the prior (return rate 1/2); from the third, the tenant's return rate
     # (1/4, 1/5, ...) reserves nothing: the blocks are only retained by their lease.
     assert reserved == [(2, 2), (2, 2), (2, 0), (2, 0), (2, 0)]
+    # The prior's two windows were provisional: the third turn's end closed them, long
+    # before their 60 s, so nothing stays reserved for sessions that never came back.
+    holders = [scheduler.kvlease.holders[("solo", f"q{n}")] for n in range(5)]
+    assert [(h.leased, h.reserved) for h in holders] == [(2, 0)] * 5
+    assert scheduler.kvlease.free_queue.reserved_sizes() == [0, 0]
+    # and their reserved time is billed up to the close, not to the 60 s window's end
+    episodes = scheduler.kvlease.retention.episodes
+    closed = episodes[holders[2]].started
+    for h in holders[:2]:
+        assert episodes[h].reserved_seconds == pytest.approx(2 * (closed - episodes[h].started))
 
 
 @pytest.mark.parametrize(("mode", "reserved"), [("lease", 2), ("never", 0)])
