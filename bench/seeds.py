@@ -11,7 +11,7 @@ moves it the other way. This plays traces of the same shape (bench.workload.SPEC
 to 10) through `kvlease replay`'s engine (vLLM's real scheduler code, kvlease's mixin,
 synthetic model outputs) on bench/policy.py's step clock, pool and engine limits, where
 the replay reproduces the real engine's TTFTs, preemptions, hits and wasted prefill
-exactly and its steps within one (seed 1: bench/results/policy.json against seeds.json).
+exactly and its steps within two (seed 1: bench/results/policy.json against seeds.json).
 Ways: stock FCFS and PRIORITY, kvlease as shipped, each ablation (bench.policy),
 `fair_slack` at several points (kvlease.engine.waiting_queue.FairBucket), and the tier
 table's `reserve_quantile` at 0.5 and 0.9 (bench/frontier.py's knob, there on one trace).
