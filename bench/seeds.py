@@ -240,8 +240,9 @@ def main() -> int:
     from kvlease.demo.model import ensure_demo_model
 
     model = str(ensure_demo_model())
-    spec = QUICK_SPEC if args.quick else ONE_SHOT_SPEC if args.one_shot else SPEC
-    targets = ONE_SHOT_TARGETS if args.one_shot else POOLS[args.pool]
+    one_shot = args.one_shot and not args.quick  # as bench/policy.py: the smoke trace wins
+    spec = QUICK_SPEC if args.quick else ONE_SHOT_SPEC if one_shot else SPEC
+    targets = ONE_SHOT_TARGETS if one_shot else POOLS[args.pool]
     first = spec.seed  # the quick trace's first seed has every tier
     seeds = list(range(first, first + (args.seeds or (2 if args.quick else 10))))
     spawn = get_context("spawn")  # vLLM's rule: never fork after it loads
@@ -262,7 +263,7 @@ def main() -> int:
     alone = runs.pop(ALONE)
     result = {
         "pool": args.pool,
-        "trace": "one-shot" if args.one_shot else "multi-turn",
+        "trace": "one-shot" if one_shot else "multi-turn",
         "targets": targets,
         "seeds": seeds,
         "requests": sum(runs["priority"][s]["requests"] for s in seeds),
@@ -271,7 +272,7 @@ def main() -> int:
         "aggregate": aggregate(runs, alone, targets),
         "machine": report.machine(),
     }
-    name = "seeds-quick" if args.quick else "seeds-one-shot" if args.one_shot else "seeds"
+    name = "seeds-quick" if args.quick else "seeds-one-shot" if one_shot else "seeds"
     if args.pool != POOL_BLOCKS:
         name += f"-{args.pool}"
     report.write(args.out, name, result, markdown(result))
