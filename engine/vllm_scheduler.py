@@ -39,7 +39,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvlease.engine.runtime import require_vllm
 
@@ -1083,8 +1083,8 @@ class TenantSchedulingMixin(_SchedulerBase):
         kv.retention.open(holder, now, request.request_id, request.client_index)
         if holder.reserving and holder.reserved_until < math.inf:
             heapq.heappush(kv.windows, (holder.reserved_until, next(kv.seq), t.session))
-        for session in kv.returns.take_withdrawn():
-            other = kv.holders.get(session)
+        for session in kv.returns.take_withdrawn():  # the sessions it was given: Session
+            other = kv.holders.get(cast(Session, session))
             if other is not None and other.reserving:
                 other.reserved_until = now
                 self._close_window(other, now)
