@@ -44,7 +44,7 @@ from bench import report
 from bench.ablations import summarize
 from bench.frontier import SHIPPED, tier_file
 from bench.policy import ABLATION_SETTINGS, POOL_BLOCKS
-from bench.workload import ONE_SHOT_SPEC, QUICK_SPEC, SPEC
+from bench.workload import ONE_SHOT_SPEC, shape
 from kvlease.demo.workload import TIERS, WorkloadSpec, generate
 from kvlease.engine.tenancy import TierTable
 
@@ -240,8 +240,8 @@ def main() -> int:
     from kvlease.demo.model import ensure_demo_model
 
     model = str(ensure_demo_model())
-    one_shot = args.one_shot and not args.quick  # as bench/policy.py: the smoke trace wins
-    spec = QUICK_SPEC if args.quick else ONE_SHOT_SPEC if one_shot else SPEC
+    spec = shape(args.quick, args.one_shot)  # as bench/policy.py: the smoke trace wins
+    one_shot = spec is ONE_SHOT_SPEC
     targets = ONE_SHOT_TARGETS if one_shot else POOLS[args.pool]
     first = spec.seed  # the quick trace's first seed has every tier
     seeds = list(range(first, first + (args.seeds or (2 if args.quick else 10))))

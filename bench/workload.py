@@ -38,12 +38,17 @@ QUICK_SPEC = replace(SPEC, duration=12.0, sessions_per_second=1.0, seed=9)  # al
 ONE_SHOT_SPEC = replace(SPEC, mean_turns=1.0, sessions_per_second=1.5)
 
 
+def shape(quick: bool = False, one_shot: bool = False) -> WorkloadSpec:
+    """The seeded trace's shape: the smoke test's when quick (it wins), else one-shot
+    sessions' or the multi-turn one."""
+    return QUICK_SPEC if quick else ONE_SHOT_SPEC if one_shot else SPEC
+
+
 def load(quick: bool = False, trace: Path | None = None, one_shot: bool = False) -> list[Turn]:
-    """The benchmark trace: a file if given, else the seeded one (smaller when quick, or
-    of one-shot sessions)."""
+    """The benchmark trace: a file if given, else the seeded one (`shape`)."""
     if trace is not None:
         return load_trace(trace)
-    return generate(QUICK_SPEC if quick else ONE_SHOT_SPEC if one_shot else SPEC)
+    return generate(shape(quick, one_shot))
 
 
 def main() -> int:

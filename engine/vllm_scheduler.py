@@ -1086,7 +1086,6 @@ class TenantSchedulingMixin(_SchedulerBase):
         for session in kv.returns.take_withdrawn():  # the sessions it was given: Session
             other = kv.holders.get(cast(Session, session))
             if other is not None and other.reserving:
-                other.reserved_until = now
                 self._close_window(other, now)
 
     def _expire_leases(self) -> None:
@@ -1111,6 +1110,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         """The holder's reservation window closes at `at`: its reserved time is billed up to
         then, and its blocks are protected by eviction order only from now on."""
         kv = self.kvlease
+        holder.reserved_until = at
         kv.retention.integrate(holder, at, kv.label(holder.tenant_id))
         kv.free_queue.retain(holder)
 
