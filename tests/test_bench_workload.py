@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.report import percentile, stats
+from bench.report import percentile, shuffled, stats
 from bench.workload import QUICK_SPEC
 from kvlease.demo.workload import Turn, generate
 from kvlease.replay.sessions import StepTrace
@@ -66,3 +66,12 @@ def test_percentiles_are_observed_values_by_nearest_rank():
     assert percentile(values, 50) == 50 and percentile(values, 99) == 99
     assert percentile([3.0], 99) == 3.0 and percentile([], 99) == 0.0
     assert stats([1, 2, 3, 10]) == {"mean": 4.0, "p50": 2, "p99": 10, "max": 10}
+
+
+def test_interleaved_rounds_give_each_way_new_neighbours_and_repeat_from_run_to_run():
+    ways = ["fcfs", "priority", "priority-stats", "kvlease", "kvlease-quiet", "lru", "fifo"]
+    rounds = [shuffled(ways, i) for i in range(3)]
+    assert all(sorted(r) == sorted(ways) for r in rounds)
+    assert rounds == [shuffled(ways, i) for i in range(3)]  # seeded: the same next run
+    before = {tuple(r[r.index("kvlease") - 1 : r.index("kvlease")]) for r in rounds}
+    assert len(before) > 1  # rotating kept the same way before "kvlease" every round
