@@ -77,6 +77,8 @@ ABLATION_SETTINGS: dict[str, dict[str, Any]] = {
     },  # reservation caps never shrink (kvlease.engine.payback)
 }
 ABLATIONS = tuple(ABLATION_SETTINGS)
+# Every way that plays the whole trace, interleaved (`alone` plays premium's part alone)
+PLAYED = ("fcfs", "priority", "priority-stats", "kvlease", "kvlease-quiet", *ABLATIONS)
 
 
 @dataclass
@@ -424,10 +426,9 @@ def main() -> int:
     ways = {"alone": summarize(play(engines["alone"], premium, "alone", sps, tiers),
                                tiers, caps)}  # fmt: skip
     _progress("alone", ways["alone"])
-    order = ["fcfs", "priority", "priority-stats", "kvlease", "kvlease-quiet", *ABLATIONS]
     walls: dict[str, list[float]] = defaultdict(list)
     for i in range(repeats):  # every way at once, step by step (play_together)
-        shuffled = report.shuffled(order, i)
+        shuffled = report.shuffled(PLAYED, i)
         runs = play_together([(engines[name], name) for name in shuffled], turns, sps, tiers)
         for name, run in zip(shuffled, runs, strict=True):
             result = summarize(run, tiers, caps)
@@ -500,8 +501,7 @@ def markdown(result: dict) -> str:
         "| recomputed after preemption | earlier-turn context recomputed | wasted prefill |",
         "|---|---|---|---|---|---|---|",
     ]
-    for way in ("alone", "fcfs", "priority", "priority-stats", "kvlease", "kvlease-quiet",
-                *ABLATIONS):  # fmt: skip
+    for way in ("alone", *PLAYED):
         w = ways[way]
         lines.append(
             f"| {way} | {w['engine_steps']} | {w['output_tokens_per_step']:.2f} | "
