@@ -30,7 +30,8 @@ How a command stops (`supervise`):
    however it ended) or ended the child, else the child's own (a failure).
 If the command itself is killed (SIGKILL, OOM), the kernel sends its child SIGTERM
 (Linux's parent-death signal), so the child stops as in 1 (vLLM's engine cores ask for
-the same signal: `stop_with_parent`); the run folder it leaves, any process still
+the same signal, and end their process group if their teardown outlasts ORPHAN_GRACE:
+`stop_with_parent`); the run folder it leaves, any process still
 marked with it or in its child's process group, and the shared memory it noted are
 removed by `sweep` at the next start of any of these commands. Costs: `members` reads every
 /proc/<pid>/environ it may read, O(the machine's processes), only while stopping,
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -59,6 +61,7 @@ CHILD_FILE = "child.pid"  # its child's, which leads the child's process group
 FOLDER_PREFIX = "kvlease-run-"
 LINGER = 10.0  # seconds the rest of a tree has to end after the child has
 STARTING_STOP = 10.0  # seconds a child not ready yet has to end once asked to
+ORPHAN_GRACE = 30.0  # seconds an engine core whose parent died has for vLLM's teardown
 READY_FILE = "ready"  # written by `mark_ready`
 SHARED_MEMORY_FILE = "shared-memory"  # /dev/shm paths the tree mapped, one a line
 _PR_SET_PDEATHSIG = 1
@@ -300,14 +303,36 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def stop_with_parent() -> None:
+def stop_with_parent(grace: float = ORPHAN_GRACE) -> None:
     """In a process vLLM starts in a supervised tree (its engine core): SIGTERM when its
-    parent dies. Without it an engine core outlives a killed API server for good (vLLM
-    watches only the other way: its workers follow the engine core by a death pipe),
-    and once vLLM renames it, its run-folder mark may no longer show in /proc. Nothing
-    outside a supervised tree (plain `vllm serve` keeps vLLM's behaviour)."""
-    if os.environ.get(RUN_DIR_ENV):
-        die_with_parent(os.getppid())
+    parent dies, and SIGKILL to its process group if it still runs `grace` seconds later.
+    Without the signal an engine core outlives a killed API server for good (vLLM
+    watches only the other way: its workers follow the engine core by a death pipe), and
+    once vLLM renames it, its run-folder mark may no longer show in /proc; without the
+    kill, a teardown that hangs does the same (make test saw an orphaned tree outlive
+    180 s once). Nothing outside a supervised tree (plain `vllm serve` keeps vLLM's
+    behaviour)."""
+    if not os.environ.get(RUN_DIR_ENV):
+        return
+    parent = os.getppid()
+    die_with_parent(parent)
+    threading.Thread(
+        target=_end_group_after, args=(parent, grace), name="kvlease-orphan", daemon=True
+    ).start()
+
+
+def _end_group_after(parent: int, grace: float) -> None:
+    """Blocks (no polling) until `parent` exits, then gives this process `grace` seconds
+    to end by its SIGTERM; if it has not, ends its process group: the supervised child's,
+    so the engine core, its workers and vLLM's resource tracker, whose API server is
+    gone. No cost while the parent lives: one thread waiting on a pidfd."""
+    try:
+        pidfd = os.pidfd_open(parent)
+    except OSError:  # a kernel before 5.3: the signal alone
+        return
+    select.select([pidfd], [], [])
+    time.sleep(grace)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def _reap_orphans() -> None:

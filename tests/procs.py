@@ -20,6 +20,19 @@ def running(pids: list[int]) -> list[int]:
     return [p for p in pids if (fields := _stat(p)) is not None and fields[0] != "Z"]
 
 
+def describe(pids: list[int]) -> str:
+    """Each of `pids` with its state and what it waits in, for a failure message."""
+    out = []
+    for pid in pids:
+        fields = _stat(pid) or ["gone"]
+        try:
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            wchan = ""
+        out.append(f"{pid} [{fields[0]} {wchan}] {cmdline(pid)[:100]}")
+    return "; ".join(out)
+
+
 def parent_of(pid: int) -> int | None:
     fields = _stat(pid)
     return int(fields[1]) if fields else None

@@ -143,3 +143,36 @@ def test_only_the_supervised_child_sees_its_mark(monkeypatch):
     monkeypatch.setenv(processes.SUPERVISED_ENV, env[processes.SUPERVISED_ENV])
     assert processes.supervised("serve")
     assert processes.SUPERVISED_ENV not in os.environ  # its own children do not inherit it
+
+
+# An engine core whose teardown hangs: it ignores the SIGTERM its parent's death brings.
+HUNG_ENGINE = textwrap.dedent(
+    """
+    import signal, sys, time
+    from kvlease.engine import processes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    processes.stop_with_parent(grace=0.5)
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+# Its API server: it starts the engine and waits.
+API_SERVER = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)"
+
+
+def test_an_orphaned_engine_whose_teardown_hangs_is_killed_with_its_group(tmp_path):
+    """The API server is killed; its engine core ignores the SIGTERM that brings and would
+    run for good: its process group is killed once the grace is over."""
+    log = tmp_path / "engine.log"
+    api = subprocess.Popen(
+        [sys.executable, "-c", API_SERVER, sys.executable, "-c", HUNG_ENGINE],
+        env={**os.environ, processes.RUN_DIR_ENV: str(tmp_path)},
+        start_new_session=True,  # a group of its own, as kvlease serve's child has
+        stdout=log.open("w"),
+    )
+    until(lambda: "ready" in log.read_text(), "the engine to start", HANG)
+    [engine] = procs.children(api.pid)
+    api.kill()
+    api.wait()
+    until(lambda: not procs.running([engine]), "the hung engine to be killed", HANG)
