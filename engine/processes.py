@@ -322,15 +322,17 @@ def stop_with_parent(grace: float = ORPHAN_GRACE) -> None:
 
 
 def _end_group_after(parent: int, grace: float) -> None:
-    """Blocks (no polling) until `parent` exits, then gives this process `grace` seconds
-    to end by its SIGTERM; if it has not, ends its process group: the supervised child's,
-    so the engine core, its workers and vLLM's resource tracker, whose API server is
-    gone. No cost while the parent lives: one thread waiting on a pidfd."""
+    """Sleeps until `parent` exits (the kernel wakes it), then gives this process `grace`
+    seconds to end by its SIGTERM; if it has not, ends its process group: the supervised
+    child's, so the engine core, its workers and vLLM's resource tracker, whose API
+    server is gone. No cost while the parent lives: one thread waiting on a pidfd."""
     try:
         pidfd = os.pidfd_open(parent)
     except OSError:  # a kernel before 5.3: the signal alone
         return
-    select.select([pidfd], [], [])
+    waiting = select.poll()  # not select(): an engine core may hold fds past 1,024
+    waiting.register(pidfd, select.POLLIN)
+    waiting.poll()  # readable once the parent has exited
     time.sleep(grace)
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
