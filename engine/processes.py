@@ -31,11 +31,11 @@ How a command stops (`supervise`):
 If the command itself is killed (SIGKILL, OOM), the kernel sends its child SIGTERM
 (Linux's parent-death signal), so the child stops as in 1 (vLLM's engine cores ask for
 the same signal, and end their process group if their teardown outlasts ORPHAN_GRACE:
-`stop_with_parent`); the run folder it leaves, any process still
-marked with it or in its child's process group, and the shared memory it noted are
-removed by `sweep` at the next start of any of these commands. Costs: `members` reads every
-/proc/<pid>/environ it may read, O(the machine's processes), only while stopping,
-sweeping and once at `mark_ready`.
+`stop_with_parent`); the run folder it leaves, any process still marked with it or in
+its child's process group, and the shared memory it noted are removed by `sweep` at the
+next start of any of these commands. Costs: `members` reads every /proc/<pid>/environ
+it may read, O(the machine's processes), only while stopping, sweeping and once at
+`mark_ready`.
 """
 
 from __future__ import annotations

@@ -30,10 +30,6 @@ def _shared_memory() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir()}
 
 
-def _tail(log: Path, lines: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
 def _sockets() -> set[str]:
     """The socket files at the top of the temporary directory."""
     return {p.name for p in Path(tempfile.gettempdir()).iterdir() if p.is_socket()}
@@ -100,7 +96,8 @@ def test_after_a_kill_the_next_start_on_the_port_cleans_up_and_stops_on_sigterm(
     killed.proc.wait()
     wait(lambda: not procs.running(tree), HANG)
     left = procs.running(tree)
-    assert not left, f"outlived the kill: {procs.describe(left)}\n{_tail(killed.log)}"
+    log = killed.log.read_text()[-4000:]  # as tests/servers.py reports a failed start
+    assert not left, f"outlived the kill: {procs.describe(left)}; log:\n{log}"
     assert folder is not None and any(p.is_socket() for p in folder.iterdir())  # left
     again = kvlease_serve(kvlease_home, tmp_path / "again.log", port=port)
     try:
