@@ -82,12 +82,15 @@ def ablation_rows(
     tiers: Sequence[str],
     preemptions: bool = False,
     bound: str = "leased_prefix_cap_bound",
+    paired: str | None = None,
 ) -> list[str]:
     """The ablation table (bench/policy.py on the real engine, bench/ablations.py at
     scale, bench/frontier.py per setting): per way, steps, `seconds` (headed `title`; None:
     no such column), wasted prefill, premium TTFT, the leased hit of the two leasing tiers
     (and its share of `bound`, one of BOUNDS) and the lowest tier's worst TTFT, each
-    against stock PRIORITY (`ways["priority"]`); `preemptions` adds their count."""
+    against stock PRIORITY (`ways["priority"]`); `preemptions` adds their count. `paired`:
+    the key of each way's own ratio for the `seconds` column (bench/policy.py's median of
+    the rounds' ratios), else the ratio of the two figures."""
     top, bottom = tiers[0], tiers[-1]
     base = ways["priority"]
     timed = [] if seconds is None else [seconds]
@@ -109,6 +112,8 @@ def ablation_rows(
             key: w[key] / max(1e-9, base[key])
             for key in ("engine_steps", *timed, "wasted_prefill_tokens")
         }
+        if paired is not None and timed:
+            ratio[timed[0]] = w[paired]
         prem, free = t[top]["ttft_steps"], t[bottom]["ttft_steps"]
         free_ratio = free["max"] / max(1e-9, base["tiers"][bottom]["ttft_steps"]["max"])
         line = (

@@ -65,6 +65,13 @@ def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token
     assert ways["kvlease"]["ledger_records"] == ways["kvlease"]["ledger_expected"] > 0
     assert ways["kvlease"]["span_exports"] > 0 and ways["kvlease"]["metric_scrapes"] > 0
     assert ways["kvlease"]["tiers"]["premium"]["preemptions_while_lower_tier_ran"] == 0
+    # Wall ratios pair each round with stock PRIORITY's own round (same machine, same time).
+    base = ways["priority"]["wall_seconds_runs"]
+    assert ways["priority"]["wall_ratio"] == 1.0
+    for way in full:
+        runs = ways[way]["wall_seconds_runs"]
+        paired = [a / b for a, b in zip(runs, base, strict=True)]
+        assert ways[way]["wall_ratio_runs"] == pytest.approx(paired, abs=1e-4), way
     assert {t["target"] for t in result["targets"]} >= {
         "Wasted prefill (both recompute columns) vs stock PRIORITY",
         "Premium preemptions while a lower tier runs",
