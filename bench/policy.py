@@ -57,6 +57,7 @@ from bench.oracle import clairvoyant_kept
 from bench.workload import load
 from kvlease.demo.workload import TIERS, Turn
 from kvlease.engine.tenancy import TierTable
+from kvlease.replay.clock import tick_seconds
 from kvlease.replay.sessions import Arrival, StepTrace
 
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
@@ -150,8 +151,10 @@ def _playing(
     step = 0
     if hasattr(scheduler, "kvlease"):  # kvlease's lease clock follows the steps of this run
         scheduler.forget_history()  # no think times or payback yet, as on a fresh server
-        origin = time.monotonic() + 10_000.0 * (1 + _runs(scheduler))  # past every older lease
-        scheduler.kvlease.clock = lambda: origin + step / steps_per_second
+        # past every older lease; whole seconds and whole ticks keep the clock's sums exact
+        origin = float(int(time.monotonic())) + 10_000.0 * (1 + _runs(scheduler))
+        tick = tick_seconds(steps_per_second)
+        scheduler.kvlease.clock = lambda: origin + step * tick
     live: dict[str, Request] = {}
     done: list[Request] = []
     busy_wall = 0.0

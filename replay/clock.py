@@ -17,6 +17,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The lease clock's grain, 2**-20 s (about a microsecond). A clock whose every value is a
+# whole second plus a whole number of ticks of a whole number of grains adds and subtracts
+# exactly in a float (up to 2**32 s), so a reservation window that ends on the very step its
+# session returns ends there on every machine, in the replay as on the engine in
+# bench/policy.py. A tenth of a second is no whole number of grains: which side of that step
+# such a window fell on was the rounding of the clock's origin, and two runs of one build
+# differed by 23 engine steps.
+GRAIN = 2.0**-20
+
+
+def tick_seconds(ticks_per_second: float) -> float:
+    """One tick of a lease clock running at `ticks_per_second`, as a whole number of grains
+    (a tenth of a second is 0.1000004 s): a lease clock reads origin + ticks x this."""
+    return round(1.0 / ticks_per_second / GRAIN) * GRAIN
+
 
 class StepCostError(ValueError):
     """A step cost the clock cannot use."""

@@ -28,7 +28,7 @@ from kvlease.demo.workload import Turn
 from kvlease.engine.events import RequestDone, Retention
 from kvlease.engine.policy import blocks_for
 from kvlease.engine.tenancy import TierTable
-from kvlease.replay.clock import StepCost
+from kvlease.replay.clock import StepCost, tick_seconds
 from kvlease.replay.sessions import Arrival, StepTrace
 from kvlease.replay.synthetic import (
     BLOCK,
@@ -103,13 +103,15 @@ class Replay:
 
 
 class _Clock:
-    """The lease clock the scheduler reads: the step clock's seconds past an origin."""
+    """The lease clock the scheduler reads: the step clock's seconds past an origin, counted
+    in whole ticks of `tick_seconds` (exact sums: bench/policy.py's engine reads the same)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ticks: float) -> None:
         self.now = 0.0
+        self._ticks, self._tick = ticks, tick_seconds(ticks)
 
     def __call__(self) -> float:
-        return 1e6 + self.now
+        return 1e6 + round(self.now * self._ticks) * self._tick
 
 
 def simulate(
@@ -148,10 +150,10 @@ def simulate(
         priority = {name: tiers[name].priority for name in tiers} if stock == "priority" else {}
     else:
         priority = {}
-    clock = _Clock()
+    ticks = 1.0 / cost.base if cost.is_fixed else 1000.0  # a tick: a step, or a millisecond
+    clock = _Clock(ticks)
     if stock is None:  # kvlease's lease clock follows the step clock
         scheduler.kvlease.clock = clock
-    ticks = 1.0 / cost.base if cost.is_fixed else 1000.0  # a tick: a step, or a millisecond
     vocab = scheduler.vllm_config.model_config.get_vocab_size()
     max_len = scheduler.vllm_config.model_config.max_model_len
     trace = StepTrace(turns, ticks, vocab, min(MAX_CONTEXT, max_len))

@@ -18,6 +18,8 @@ from pathlib import Path
 import procs
 import pytest
 from engines import POOL_BLOCKS, settle
+from hypothesis import given
+from hypothesis import strategies as st
 from records import NOV, rec
 from waiting import until
 
@@ -28,6 +30,7 @@ from kvlease.demo.workload import Turn, WorkloadSpec, generate, save_trace
 from kvlease.engine.tenancy import TierTable
 from kvlease.exporters.ledger import UsageLedger, UsageRecord
 from kvlease.replay import traffic
+from kvlease.replay.clock import tick_seconds
 from kvlease.replay.report import percentile
 from kvlease.server.cli import main
 
@@ -207,6 +210,29 @@ def test_ledger_records_become_chat_turns_with_new_tokens_and_think_time():
     assert (first.at, first.turn, first.input_tokens, first.output_tokens) == (0.0, 0, 40, 60)
     # 130 prompt tokens less the 100 of context: 30 new; 6 s of think time after the reply.
     assert (second.at, second.turn, second.input_tokens) == (6.0, 1, 30)
+
+
+@given(
+    origin=st.integers(0, 2**31),
+    ended=st.integers(0, 10**6),
+    turn=st.integers(0, 10**6),
+    think=st.integers(0, 10**5),
+    ticks=st.sampled_from([10.0, 1000.0]),
+)
+def test_a_window_measured_in_ticks_ends_on_its_tick_whatever_the_clocks_origin(
+    origin, ended, turn, think, ticks
+):
+    """A reservation window is a think time (two clock readings apart) added to a turn's
+    end: it must land exactly on the reading `think` ticks after that end, or whether a
+    session returning on that very step finds its window open depends on the origin's
+    rounding (bench/policy.py's engine and the replay read the clock this way)."""
+    tick = tick_seconds(ticks)
+
+    def clock(n: int) -> float:
+        return float(origin) + n * tick
+
+    window = clock(turn + think) - clock(turn)
+    assert clock(ended) + window == clock(ended + think)
 
 
 def test_kv_gib_sizes_the_pool_from_the_models_config(demo_model):
