@@ -8,7 +8,7 @@
 - a session ends before its context would pass `max_context`.
 
 A tick is an engine step where the caller counts steps (bench/policy.py: a
-fixed number of steps per second) and a millisecond where it counts seconds
+fixed number of steps per second) and 1/1024 s where it counts seconds
 (`kvlease replay` on a calibrated clock). Lengths do not depend on the policy
 (outputs run to `max_tokens`), so every policy replays the same requests.
 """

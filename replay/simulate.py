@@ -150,7 +150,9 @@ def simulate(
         priority = {name: tiers[name].priority for name in tiers} if stock == "priority" else {}
     else:
         priority = {}
-    ticks = 1.0 / cost.base if cost.is_fixed else 1000.0  # a tick: a step, or a millisecond
+    # A tick: a step, or 1/1024 s on a fitted clock (a power of two: a millisecond in
+    # grains would run the lease clock 0.04% fast)
+    ticks = 1.0 / cost.base if cost.is_fixed else 1024.0
     clock = _Clock(ticks)
     if stock is None:  # kvlease's lease clock follows the step clock
         scheduler.kvlease.clock = clock

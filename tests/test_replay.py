@@ -217,7 +217,7 @@ def test_ledger_records_become_chat_turns_with_new_tokens_and_think_time():
     ended=st.integers(0, 10**6),
     turn=st.integers(0, 10**6),
     think=st.integers(0, 10**5),
-    ticks=st.sampled_from([10.0, 1000.0]),
+    ticks=st.sampled_from([10.0, 1024.0]),
 )
 def test_a_window_measured_in_ticks_ends_on_its_tick_whatever_the_clocks_origin(
     origin, ended, turn, think, ticks
