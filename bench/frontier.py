@@ -16,6 +16,7 @@ and the free tier's worst TTFT. Results: bench/results/frontier.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -37,16 +38,31 @@ RESULTS = Path(__file__).parent / "results"
 
 def tier_file(text: str, quantile: float, folder: Path) -> Path:
     """The tier table `text` with `reserve_quantile = quantile` in every leasing tier."""
-    tiers = TierTable.from_toml(text)
-    for name, tier in tiers.items():
-        if tier.lease_seconds > 0:
-            header = f"[tiers.{name}]\n"
-            text = text.replace(header, f"{header}reserve_quantile = {quantile}\n", 1)
-    path = folder / f"tiers-q{quantile}.toml"
-    path.write_text(text)
+    leasing = [name for name, tier in TierTable.from_toml(text).items() if tier.lease_seconds > 0]
+    path = edited_tiers(
+        text, folder, f"q{quantile}", {n: {"reserve_quantile": quantile} for n in leasing}
+    )
     assert all(
         t.reservation.quantile == quantile for t in TierTable.load(path).values() if t.lease_seconds
     )
+    return path
+
+
+def edited_tiers(text: str, folder: Path, name: str, keys: dict[str, dict[str, Any]]) -> Path:
+    """The tier table `text` with `keys[tier]` set in each named tier (a line the tier
+    already has for a key is replaced), written to `folder`/tiers-`name`.toml."""
+    for tier, values in keys.items():
+        header = f"[tiers.{tier}]\n"
+        start = text.index(header) + len(header)
+        end = text.find("\n[", start) + 1 or len(text)
+        lines = [
+            line for line in text[start:end].splitlines(keepends=True)
+            if line.split("=")[0].strip() not in values
+        ]  # fmt: skip
+        added = [f"{key} = {json.dumps(value)}\n" for key, value in values.items()]
+        text = text[:start] + "".join(added + lines) + text[end:]
+    path = folder / f"tiers-{name}.toml"
+    path.write_text(text)
     return path
 
 

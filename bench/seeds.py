@@ -14,7 +14,8 @@ the replay reproduces the real engine's TTFTs, preemptions, hits and wasted pref
 exactly and its steps within two (seed 1: bench/results/policy.json against seeds.json).
 Ways: stock FCFS and PRIORITY, kvlease as shipped, each ablation (bench.policy),
 `fair_slack` at several points (kvlease.engine.waiting_queue.FairBucket), and the tier
-table's `reserve_quantile` at 0.5 and 0.9 (bench/frontier.py's knob, there on one trace).
+table's `reserve_quantile` at 0.5 and 0.9 (bench/frontier.py's knob, there on one trace),
+and `admit-standard`, the tier table with `preempt_to_admit` on for standard as well.
 Per way and seed, engine steps, wasted prefill (bench/policy.py's count,
 bench.policy.computed_twice) and the free tier's worst TTFT against PRIORITY's on the
 same seed, and premium's mean TTFT against premium alone's (the seed's premium requests
@@ -35,14 +36,14 @@ import statistics
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 from bench import report
 from bench.ablations import summarize
-from bench.frontier import SHIPPED, tier_file
+from bench.frontier import SHIPPED, edited_tiers, tier_file
 from bench.policy import ABLATION_SETTINGS, POOL_BLOCKS
 from bench.workload import ONE_SHOT_SPEC, shape
 from kvlease.demo.workload import TIERS, WorkloadSpec, generate
@@ -54,15 +55,26 @@ STEPS_PER_SECOND = 10.0  # bench/policy.py's clock
 LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 SLACKS = (1000, 2000, 5000, 10000)  # and 0 (the strict-fair ablation), 3000 (shipped)
 QUANTILES = (0.5, 0.9)  # reserve_quantile beside the shipped 0.75 (bench/frontier.py)
-# a way: stock vLLM's policy (str), kvlease's settings (dict), or kvlease with every
-# leasing tier's reserve_quantile set to this (float)
-WAYS: dict[str, dict[str, Any] | str | float] = {
+
+
+@dataclass(frozen=True)
+class TierKeys:
+    """A way: kvlease on the shipped tier table with these keys set, by tier."""
+
+    keys: dict[str, dict[str, Any]]
+
+
+# a way: stock vLLM's policy (str), kvlease's settings (dict), kvlease with every leasing
+# tier's reserve_quantile set to this (float), or on an edited tier table (TierKeys)
+WAYS: dict[str, dict[str, Any] | str | float | TierKeys] = {
     "priority": "priority",
     "fcfs": "fcfs",
     "kvlease": {},
     **ABLATION_SETTINGS,
     **{f"slack-{s}": {"fair_slack": s} for s in SLACKS},
     **{f"q={q}": q for q in QUANTILES},
+    # standard's waiting requests preempt running free work too (shipped: premium's only)
+    "admit-standard": TierKeys({"standard": {"preempt_to_admit": True}}),
 }
 RATIOS = ("engine_steps", "wasted_prefill_tokens", "free_worst")  # each against PRIORITY's
 # issue 30's targets per pool that a trace of this shape can be held to: (ratio, most it
@@ -105,14 +117,18 @@ def run_one(
 
 
 def resolved(folder: Path) -> dict[str, dict[str, Any] | str]:
-    """WAYS, and ALONE, with each quantile way's tier table written into `folder`, once
-    per run."""
+    """WAYS, and ALONE, with each quantile's or TierKeys' tier table written into `folder`,
+    once per run."""
     text = SHIPPED.read_text(encoding="utf-8")
-    ways = {
-        way: {"tiers": str(tier_file(text, s, folder))} if isinstance(s, float) else s
-        for way, s in WAYS.items()
-    }
-    return {**ways, ALONE: ALONE}
+
+    def setting(way: str, s: dict[str, Any] | str | float | TierKeys) -> dict[str, Any] | str:
+        if isinstance(s, float):
+            return {"tiers": str(tier_file(text, s, folder))}
+        if isinstance(s, TierKeys):
+            return {"tiers": str(edited_tiers(text, folder, way, s.keys))}
+        return s
+
+    return {**{way: setting(way, s) for way, s in WAYS.items()}, ALONE: ALONE}
 
 
 def ratios(figures: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:

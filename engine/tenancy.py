@@ -35,7 +35,7 @@ _TIER_KEYS = frozenset({"priority", "lease_seconds", "leased_cache_cap", "prices
 _OPTIONAL_TIER_KEYS = frozenset(
     {"max_concurrent_requests", "weight", "max_weight", "max_tenant_kv_share"}
     | {"reserve", "reserve_quantile", "reserve_max_seconds", "reserve_min_return"}
-    | {"reserve_min_payback"}
+    | {"reserve_min_payback", "preempt_to_admit"}
 )
 _PRICE_KEYS = ("input_per_1k", "cached_input_per_1k", "output_per_1k", "block_hour")
 # KV retention between turns (optional; a table or a price basis written before them has
@@ -122,6 +122,9 @@ class Tier:
     max_weight: float = 1.0  # the most a token's `weight` claim may ask for
     max_tenant_kv_share: float = 1.0  # fraction of the pool one tenant may hold (1: no cap)
     reservation: ReservePolicy = field(default_factory=ReservePolicy)  # kvlease.engine.reservations
+    # May this tier's waiting request preempt running requests of lower tiers to be admitted
+    # (stock vLLM never does)? Each preemption throws away the victim's computed tokens.
+    preempt_to_admit: bool = True
 
     def tenant_weight(self, claimed: Any) -> float:
         """A request's weight: its token's claim, bounded by the table, else the default.
@@ -330,9 +333,14 @@ def _parse_tier(name: str, body: Any, fail) -> Tier:
             f"{where}: 'max_tenant_kv_share' is a fraction of the pool, above 0 and at "
             f"most 1; got {share!r}"
         )
+    preempt = body.get("preempt_to_admit", True)
+    if not isinstance(preempt, bool):
+        raise fail(f"{where}: 'preempt_to_admit' must be true or false, got {preempt!r}")
     prices = _parse_prices(body["prices"], where, fail)
     reservation = _parse_reservation(body, where, fail)
-    return Tier(name, priority, lease, cap, prices, limit, weight, max_weight, share, reservation)
+    return Tier(
+        name, priority, lease, cap, prices, limit, weight, max_weight, share, reservation, preempt
+    )
 
 
 def _parse_reservation(body: Mapping[str, Any], where: str, fail) -> ReservePolicy:

@@ -816,7 +816,8 @@ class TenantSchedulingMixin(_SchedulerBase):
             list.append(running, running.pop(best))
 
     def _make_room_for_waiting(self) -> list[Request]:
-        """Preempt running requests of a lower class than the waiting head, if that admits it.
+        """Preempt running requests of a lower class than the waiting head, if that admits it
+        and the head's tier may (`preempt_to_admit` in the tier table).
 
         Stock vLLM never preempts to admit a waiting request (vLLM issue #40004). Only the
         blocks the head lacks after its prefix-cache hit are reclaimed, from the lowest
@@ -828,6 +829,8 @@ class TenantSchedulingMixin(_SchedulerBase):
             return []
         head = self.waiting.peek_request()
         head_t = self._tenancy_of(head)
+        if head_t.tier is None or not kv.settings.tiers[head_t.tier].preempt_to_admit:
+            return []  # its tier waits, as on stock vLLM (an unclassified head: nobody is below)
         ordered = kv.settings.class_service  # else (an ablation) every request is looked at
         if ordered and self._tenancy_of(self.running[-1]).victim_class <= head_t.victim_class:
             return []  # `running` is in class order: nobody below the head runs

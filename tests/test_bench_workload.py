@@ -1,10 +1,13 @@
-"""The benchmarks' step-clock trace (bench/workload.py) and their statistics (bench/report.py)."""
+"""The benchmarks' step-clock trace (bench/workload.py), their statistics (bench/report.py)
+and their edited tier tables (bench/frontier.py)."""
 
 from __future__ import annotations
 
+from bench.frontier import SHIPPED, edited_tiers
 from bench.report import percentile, shuffled, stats
 from bench.workload import QUICK_SPEC
 from kvlease.demo.workload import Turn, generate
+from kvlease.engine.tenancy import TierTable
 from kvlease.replay.sessions import StepTrace
 
 
@@ -76,3 +79,14 @@ def test_interleaved_rounds_give_each_way_new_neighbours_and_repeat_from_run_to_
     # The way stepped just before kvlease (cyclic: the first follows the last one's step)
     before = {r[r.index("kvlease") - 1] for r in rounds}
     assert len(before) > 1  # rotating kept the same way before "kvlease" every round
+
+
+def test_an_edited_tier_table_replaces_a_key_a_tier_has_and_adds_one_it_lacks(tmp_path):
+    keys = {"standard": {"preempt_to_admit": True}, "free": {"reserve_quantile": 0.5}}
+    path = edited_tiers(SHIPPED.read_text(), tmp_path, "way", keys)
+    shipped, edited = TierTable.shipped(), TierTable.load(path)
+    assert [t.preempt_to_admit for t in edited.values()] == [True, True, False]
+    assert edited["free"].reservation.quantile == 0.5
+    assert edited["premium"] == shipped["premium"] and edited["standard"].prices == (
+        shipped["standard"].prices
+    )

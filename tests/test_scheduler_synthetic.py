@@ -5,6 +5,7 @@ Real vLLM scheduling code, no model: every invariant is checked at every step.
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -462,8 +463,6 @@ def test_with_fair_slack_an_older_request_passes_a_tenant_within_the_slack(demo_
 
 
 def _capped_tiers(tmp_path: Path, share: float) -> str:
-    from importlib import resources
-
     text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
     text = text.replace("[tiers.free]\n", f"[tiers.free]\nmax_tenant_kv_share = {share}\n")
     path = tmp_path / "tiers.toml"
@@ -661,16 +660,30 @@ def _reasons(scheduler) -> set[str]:
     return {e.reason for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Preemption"}
 
 
-def _premium_into_a_full_pool(scheduler) -> tuple[set[str], bool]:
-    """Free work holds most of the pool when a premium request arrives: (the preemption
-    reasons of its step, whether premium was admitted in it)."""
+def _premium_into_a_full_pool(scheduler, tier: str = "premium") -> tuple[set[str], bool]:
+    """Free work holds most of the pool when a request of `tier` arrives: (the preemption
+    reasons of its step, whether it was admitted in it)."""
     for prompt in (300, 40):
         scheduler.add_request(make_request("free-1", "free", prompt, 200))
     step(scheduler)
-    vip = make_request("vip", "premium", 400, 10)  # 13 blocks: 11 are free
+    vip = make_request("vip", tier, 400, 10)  # 13 blocks: 11 are free
     scheduler.add_request(vip)
     out, _ = step(scheduler)
     return _reasons(scheduler), vip.request_id in out.num_scheduled_tokens
+
+
+def test_a_tier_that_may_not_preempt_to_admit_waits_as_on_stock_vllm(demo_model, tmp_path):
+    """The shipped table lets premium alone preempt to be admitted: a standard request
+    into the same full pool waits for free blocks, unless its tier says otherwise."""
+    shipped = _scheduler(TenantAwareScheduler, demo_model)
+    assert _premium_into_a_full_pool(shipped, "standard") == (set(), False)
+    _run(shipped)
+    text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
+    path = tmp_path / "tiers.toml"
+    path.write_text(text.replace("preempt_to_admit = false", "preempt_to_admit = true"))
+    allowed = _scheduler(TenantAwareScheduler, demo_model, tiers=str(path))
+    assert _premium_into_a_full_pool(allowed, "standard") == ({"admit_higher_tier"}, True)
+    _run(allowed)
 
 
 def test_without_admission_preemption_a_waiting_tier_never_preempts_a_running_one(demo_model):

@@ -45,6 +45,11 @@ def test_a_tier_reserves_while_its_sessions_are_likely_back_unless_told_otherwis
     assert TierTable.load(path)["bronze"].reservation.mode is ReserveMode.LEASE
 
 
+def test_only_premium_preempts_to_be_admitted_in_the_shipped_table_and_every_tier_by_default():
+    assert [t.preempt_to_admit for t in TierTable.load().values()] == [True, False, False]
+    assert all(t.preempt_to_admit for t in TierTable.from_toml(VALID).values())
+
+
 def test_concurrency_cap_is_optional():
     assert TierTable.from_toml(VALID)["gold"].max_concurrent_requests is None
 
@@ -174,6 +179,10 @@ def test_missing_file_names_the_path(tmp_path):
         (
             lambda s: s.replace("priority = 5", "priority = 5\nreserve_min_return = 2"),
             "0 <= 'reserve_min_return' <= 1",
+        ),
+        (
+            lambda s: s.replace("priority = 5", "priority = 5\npreempt_to_admit = 1"),
+            "'preempt_to_admit' must be true or false",
         ),
         (
             lambda s: s.replace("priority = 5", "priority = 5\nreserve_min_payback = -1"),
