@@ -77,6 +77,9 @@ class Holder:
     reserving: bool = False
     reserved_until: float = math.inf  # when its reservation window closes (the scheduler's)
     in_flight: int = 0  # requests of this session in the engine
+    # Of those, requests not yet admitted once: a window that ends while its session's
+    # returning turn waits stays open until that turn is admitted (the scheduler's).
+    returning: int = 0
     deferred: int = 0  # its block frees vLLM has put off (connectors, in-flight steps)
     last_hashes: list[Any] | None = None  # block hashes of its latest finished request's context
     cached: int = 0  # blocks in CACHED

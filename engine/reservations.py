@@ -42,7 +42,9 @@ The rule, per tier (`reserve` in the tier table):
 
 Only the end of a turn opens a window: what a session frees while its turn still runs
 (a preempted request, one of several in flight finishing) waits for no return, so it is
-only retained. The window never outlives the lease, and the caps bound what is reserved at once
+only retained. A window that ends while the session's returning turn waits to be admitted
+closes at its admission instead (the scheduler's `_no_longer_returning`). The window never
+outlives the lease, and the caps bound what is reserved at once
 (kvlease.engine.policy.lease_caps_error), so a request that fits the unreserved pool never
 waits for a reservation. Plain Python; nothing here imports vLLM.
 

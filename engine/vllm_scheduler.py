@@ -185,6 +185,7 @@ class Tenancy:
     offloaded_blocks: int = 0  # set while preempted in "offload" mode
     account: Account | None = None  # its tenant's fair-share account in its tier
     charged_until: int = 0  # its tokens charged to the account so far (prompt at admission)
+    admitted: bool = False  # admitted into `running` at least once
 
     @property
     def session(self) -> Session:
@@ -447,6 +448,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         """vLLM admits `request` into `running`: give it its place (behind its class)."""
         t = self._tenancy_of(request)
         self._restore_offloaded(t)
+        self._no_longer_returning(t)
         t.key = service_key(self._service_class(t.victim_class), next(self.kvlease.admissions))
         if t.account is not None:  # the prompt (or what a preemption lost) is charged now,
             # so the next admission in this step already sees it (VTC charges at dispatch)
@@ -528,6 +530,7 @@ class TenantSchedulingMixin(_SchedulerBase):
                 tenant_id, tier.name, session_id, kv.lease_index.get(tier.name)
             )
         holder.in_flight += 1
+        holder.returning += 1
         tenancy.holder = holder
         if holder.in_flight == 1:
             self._close_retention(holder)  # its next turn: the blocks are in use again
@@ -992,6 +995,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         if t is not None:
             self._charge(request, t)  # its last generated tokens
             self._integrate_request(request)
+            self._no_longer_returning(t)  # an abort before its admission
             if t.holder is not None and t.holder.in_flight == 1 and t.holder.protected:
                 self._end_turn(t, request)  # before its blocks are freed: they go where it decides
         result = super()._free_request(request, delay_free_blocks=delay_free_blocks)
@@ -1097,7 +1101,12 @@ class TenantSchedulingMixin(_SchedulerBase):
         while kv.windows and kv.windows[0][0] <= now:
             until, _, session = heapq.heappop(kv.windows)
             holder = kv.holders.get(session)
-            if holder is not None and holder.reserving and holder.reserved_until == until:
+            if (
+                holder is not None
+                and holder.reserving
+                and holder.reserved_until == until
+                and not holder.returning  # else its admission closes it (`_no_longer_returning`)
+            ):
                 self._close_window(holder, until)
         for change in kv.leases.expire():
             kv.returns.forget(change.session)
@@ -1108,6 +1117,21 @@ class TenantSchedulingMixin(_SchedulerBase):
             kv.free_queue.release(holder)
             self._lease_event(holder, "expire", change.expires_at, change.at)
             self._forget_if_idle(change.session, holder)
+
+    def _no_longer_returning(self, t: Tenancy) -> None:
+        """`t`'s request is admitted for the first time, or leaves without ever being
+        admitted: a reservation window that ended while the session's returning turn
+        waited for blocks closes now, once no request of the session still waits for its
+        first admission. So a turn that came back within its window finds the blocks the
+        window kept, however long it waits for the rest. O(1) but for the close."""
+        holder = t.holder
+        if t.admitted or holder is None:
+            return
+        t.admitted = True
+        holder.returning -= 1
+        now = self.kvlease.clock()
+        if not holder.returning and holder.reserving and holder.reserved_until <= now:
+            self._close_window(holder, now)
 
     def _close_window(self, holder: Holder, at: float) -> None:
         """The holder's reservation window closes at `at`: its reserved time is billed up to

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from clocks import ManualClock, OffsetClock
 from engines import recording
+from vllm.v1.request import RequestStatus
 
 from kvlease.engine.events import TenantHolding
 from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST
@@ -536,6 +537,50 @@ def test_a_premium_turn_is_reserved_for_its_window_then_retained_until_its_lease
     clock.now = ended + 301.0
     _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
     assert (holder.leased, holder.cached) == (0, 4)
+
+
+def test_a_turn_back_within_its_window_keeps_the_reservation_while_it_waits_for_blocks(
+    demo_model, tmp_path
+):
+    """A standard session's 2 blocks are reserved for 30 s after its turn. Three free
+    requests fill the other 21 blocks; the session's next turn comes back at 25 s and
+    waits (standard does not preempt to be admitted) past the window's end, until free
+    work is preempted. Its blocks stay reserved until it is admitted, so free work
+    cannot evict them: it finds its whole prefix, and the window closes at admission."""
+    text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        text.replace("[tiers.standard]\n", "[tiers.standard]\nreserve_max_seconds = 30\n")
+    )
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, tiers=str(path))
+    scheduler.kvlease.clock = clock = ManualClock()
+    chat = _conversation(70, seed=7)
+    _turn_on(scheduler, clock, make_request("sam", "standard", 0, 2, session="s", prompt=chat))
+    holder = scheduler.kvlease.holders[("sam", "s")]
+    ended = holder.reserved_until - 30.0  # the window's start: the turn's last step
+    assert holder.reserved == 2 and clock.now - 1.0 <= ended <= clock.now
+    clock.now = ended + 20.0
+    for _ in range(3):
+        scheduler.add_request(make_request("fay", "free", 200, 60))  # 7 blocks each
+    step(scheduler)
+    clock.now = ended + 25.0
+    back = make_request("sam", "standard", 0, 2, session="s", prompt=chat + [5] * 100)
+    scheduler.add_request(back)
+    admitted_at = hit = None
+    while scheduler.has_requests():
+        clock.now += 1.0
+        out, _ = step(scheduler)
+        scheduler.kvlease.free_queue.check()
+        if admitted_at is None and back.status is RequestStatus.RUNNING:
+            admitted_at, hit = (
+                clock.now,
+                back.num_computed_tokens - out.num_scheduled_tokens[back.request_id],
+            )
+            assert not holder.reserving  # the window closed as the turn was admitted
+        if admitted_at is None:
+            assert holder.reserved == 2
+    assert admitted_at is not None and admitted_at > ended + 30.0  # it waited past the window
+    assert hit == 64  # its two blocks, from the cache
 
 
 def test_blocks_a_session_frees_while_its_turn_still_runs_are_retained_not_reserved(
