@@ -22,7 +22,8 @@ How a command stops (`supervise`):
    yet (vLLM still starting its engine) has STARTING_STOP seconds: it has nothing to
    drain, and vLLM does not always let a signal interrupt its start.
 3. Once the child has exited, the rest of its tree has LINGER seconds to follow (vLLM's
-   resource tracker ends when its last user has), then it is killed.
+   resource tracker ends when its last user has), then it is killed, and the command
+   returns once the killed have died (LINGER more at most).
 4. The shared memory the tree had mapped (/dev/shm: vLLM's ring buffers and
    semaphores, which only an orderly exit unlinks), as noted at `mark_ready` and before
    any kill, is unlinked, and the run folder removed. The status is 128 + N when signal
@@ -50,7 +51,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,13 +249,28 @@ class _Child:
         return code
 
     def _linger(self, leader: int) -> None:
-        """Give the rest of the tree LINGER seconds, then kill it."""
-        end = time.monotonic() + LINGER
-        while members(self.folder) and time.monotonic() < end:
-            _reap_orphans()
-            time.sleep(0.2)
+        """Give the rest of the tree (marked, or in the child's process group: vLLM's
+        renamed engine cores) LINGER seconds to end, then kill it, and wait LINGER more
+        at most for the killed to be gone: a process takes a moment to die of SIGKILL
+        (an engine core frees gigabytes), and the command must not return before its
+        tree has ended (a test saw a killed engine process still running after it had)."""
+        _wait(LINGER, lambda: self._left(leader))
+        left = self._left(leader)
         kill_tree(self.folder, leader)
+        _wait(LINGER, lambda: [p for p in left if _alive(p)])
+
+    def _left(self, leader: int) -> list[int]:
+        """The tree's processes still running: marked ones, and the child's group."""
+        return [p for p in {*members(self.folder), *_group(leader)} if _alive(p)]
+
+
+def _wait(seconds: float, pending: Callable[[], list[int]]) -> None:
+    """Until `pending()` is empty, at most `seconds`, collecting orphans meanwhile."""
+    end = time.monotonic() + seconds
+    while pending() and time.monotonic() < end:
         _reap_orphans()
+        time.sleep(0.05)
+    _reap_orphans()
 
 
 @contextlib.contextmanager

@@ -20,9 +20,10 @@ from kvlease.engine import processes
 
 HANG = 120  # seconds: a hang, not a slow machine
 
-# The child: a grandchild in its own session, a file in TMPDIR, a shared memory file it
-# maps, then it waits for a signal; `stubborn` ones ignore SIGTERM and SIGINT, and all
-# but `starting` say they are ready (vLLM's engine is up).
+# The child: a grandchild in its own session (in `group` mode one in its process group
+# instead), a file in TMPDIR, a shared memory file it maps, then it waits for a signal;
+# `stubborn` ones ignore SIGTERM and SIGINT, and all but `starting` say they are ready
+# (vLLM's engine is up).
 CHILD = textwrap.dedent(
     """
     import mmap, os, signal, subprocess, sys, tempfile, time
@@ -35,12 +36,29 @@ CHILD = textwrap.dedent(
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-    subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    if sys.argv[1] != "group":
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     open(os.path.join(tempfile.gettempdir(), "socket"), "w").close()
+    if sys.argv[1] == "group":  # as vLLM's engine core: in the child's process group,
+        # its mark hidden (vLLM renames it), and slow to end once told to
+        slow = (
+            "import os, signal, sys, time\\n"
+            "def end(*_):\\n"
+            "    time.sleep(0.5)\\n"
+            "    open(os.environ['ENDED'], 'w').close()\\n"
+            "    sys.exit(0)\\n"
+            "signal.signal(signal.SIGTERM, end)\\n"
+            "time.sleep(600)\\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != processes.RUN_DIR_ENV}
+        engine = subprocess.Popen([sys.executable, "-c", slow], env=env)
     if sys.argv[1] != "stubborn-starting":
         processes.mark_ready()
     print("ready", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)) if not stubborn else None
+    if sys.argv[1] == "group":  # tell it to stop, and do not wait for it
+        signal.signal(signal.SIGTERM, lambda *_: (engine.terminate(), os._exit(0)))
+    elif not stubborn:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
         time.sleep(1)
     """
@@ -61,7 +79,7 @@ def _supervisor(tmp_path: Path, mode: str = "polite", deadline: float = 60) -> s
     log = tmp_path / "supervisor.log"
     proc = subprocess.Popen(
         [sys.executable, "-c", SUPERVISOR, CHILD, mode, str(deadline)],
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        env={**os.environ, "TMPDIR": str(tmp_path), "ENDED": str(tmp_path / "ended")},
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
     )
@@ -84,6 +102,20 @@ def test_a_signal_stops_the_whole_tree_and_removes_its_folder(sig, tmp_path):
     assert proc.wait(HANG) == 128 + sig
     assert not procs.running(tree), "a process of the tree outlived its command"
     assert not folder.exists()
+
+
+def test_the_command_returns_once_its_childs_process_group_has_ended(tmp_path):
+    """A process of the child's group that `members` cannot see (vLLM renames its engine
+    cores) and that takes a while to end once told to: the command waits for it to end
+    by itself, up to LINGER, before it kills what is left, and returns after."""
+    proc = _supervisor(tmp_path, "group")
+    child = min(processes.members(_folder(tmp_path)))
+    group = procs.group(os.getpgid(child))
+    assert len(group) == 2  # the child and its unmarked engine
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(HANG) == 128 + signal.SIGTERM
+    assert (tmp_path / "ended").exists(), "the engine was killed, not left to end"
+    assert not procs.running(group)
 
 
 def _shared_memory(pid: int) -> Path:
