@@ -35,10 +35,6 @@ CHILD = textwrap.dedent(
     if stubborn:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-    if sys.argv[1] != "group":
-        subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    open(os.path.join(tempfile.gettempdir(), "socket"), "w").close()
     if sys.argv[1] == "group":  # as vLLM's engine core: in the child's process group,
         # its mark hidden (vLLM renames it), and slow to end once told to
         slow = (
@@ -52,6 +48,10 @@ CHILD = textwrap.dedent(
         )
         env = {k: v for k, v in os.environ.items() if k != processes.RUN_DIR_ENV}
         engine = subprocess.Popen([sys.executable, "-c", slow], env=env)
+    else:
+        code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    open(os.path.join(tempfile.gettempdir(), "socket"), "w").close()
     if sys.argv[1] != "stubborn-starting":
         processes.mark_ready()
     print("ready", flush=True)

@@ -463,12 +463,19 @@ def test_with_fair_slack_an_older_request_passes_a_tenant_within_the_slack(demo_
     _run(scheduler)
 
 
-def _capped_tiers(tmp_path: Path, share: float) -> str:
+def _shipped_tiers_with(tmp_path: Path, old: str, new: str) -> str:
+    """The shipped tier table with `old` replaced by `new`, written under `tmp_path`."""
     text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
-    text = text.replace("[tiers.free]\n", f"[tiers.free]\nmax_tenant_kv_share = {share}\n")
+    assert old in text
     path = tmp_path / "tiers.toml"
-    path.write_text(text)
+    path.write_text(text.replace(old, new))
     return str(path)
+
+
+def _capped_tiers(tmp_path: Path, share: float) -> str:
+    return _shipped_tiers_with(
+        tmp_path, "[tiers.free]\n", f"[tiers.free]\nmax_tenant_kv_share = {share}\n"
+    )
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -547,12 +554,10 @@ def test_a_turn_back_within_its_window_keeps_the_reservation_while_it_waits_for_
     waits (standard does not preempt to be admitted) past the window's end, until free
     work is preempted. Its blocks stay reserved until it is admitted, so free work
     cannot evict them: it finds its whole prefix, and the window closes at admission."""
-    text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
-    path = tmp_path / "tiers.toml"
-    path.write_text(
-        text.replace("[tiers.standard]\n", "[tiers.standard]\nreserve_max_seconds = 30\n")
+    tiers = _shipped_tiers_with(
+        tmp_path, "[tiers.standard]\n", "[tiers.standard]\nreserve_max_seconds = 30\n"
     )
-    scheduler = _scheduler(TenantAwareScheduler, demo_model, tiers=str(path))
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, tiers=tiers)
     scheduler.kvlease.clock = clock = ManualClock()
     chat = _conversation(70, seed=7)
     _turn_on(scheduler, clock, make_request("sam", "standard", 0, 2, session="s", prompt=chat))
@@ -705,7 +710,7 @@ def _reasons(scheduler) -> set[str]:
     return {e.reason for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Preemption"}
 
 
-def _premium_into_a_full_pool(scheduler, tier: str = "premium") -> tuple[set[str], bool]:
+def _into_a_full_pool(scheduler, tier: str = "premium") -> tuple[set[str], bool]:
     """Free work holds most of the pool when a request of `tier` arrives: (the preemption
     reasons of its step, whether it was admitted in it)."""
     for prompt in (300, 40):
@@ -721,21 +726,19 @@ def test_a_tier_that_may_not_preempt_to_admit_waits_as_on_stock_vllm(demo_model,
     """The shipped table lets premium alone preempt to be admitted: a standard request
     into the same full pool waits for free blocks, unless its tier says otherwise."""
     shipped = _scheduler(TenantAwareScheduler, demo_model)
-    assert _premium_into_a_full_pool(shipped, "standard") == (set(), False)
+    assert _into_a_full_pool(shipped, "standard") == (set(), False)
     _run(shipped)
-    text = resources.files("kvlease.engine").joinpath("tiers.toml").read_text()
-    path = tmp_path / "tiers.toml"
-    path.write_text(text.replace("preempt_to_admit = false", "preempt_to_admit = true"))
-    allowed = _scheduler(TenantAwareScheduler, demo_model, tiers=str(path))
-    assert _premium_into_a_full_pool(allowed, "standard") == ({"admit_higher_tier"}, True)
+    tiers = _shipped_tiers_with(tmp_path, "preempt_to_admit = false", "preempt_to_admit = true")
+    allowed = _scheduler(TenantAwareScheduler, demo_model, tiers=tiers)
+    assert _into_a_full_pool(allowed, "standard") == ({"admit_higher_tier"}, True)
     _run(allowed)
 
 
 def test_without_admission_preemption_a_waiting_tier_never_preempts_a_running_one(demo_model):
     on = _scheduler(TenantAwareScheduler, demo_model)
-    assert _premium_into_a_full_pool(on) == ({"admit_higher_tier"}, True)
+    assert _into_a_full_pool(on) == ({"admit_higher_tier"}, True)
     off = _scheduler(TenantAwareScheduler, demo_model, admission_preemption=False)
-    assert _premium_into_a_full_pool(off) == (set(), False)  # it waits, as with stock vLLM
+    assert _into_a_full_pool(off) == (set(), False)  # it waits, as with stock vLLM
     _run(off)
 
 
