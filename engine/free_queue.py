@@ -206,8 +206,19 @@ class TenantFreeBlockQueue:
         return node
 
     def popleft_n(self, n: int) -> list[Block]:
+        """`n` pops, the list walked once: every allocation of new blocks comes here."""
         assert self.num_free_blocks >= n
-        return [self.popleft() for _ in range(n)]
+        blocks = []
+        node = self._head.next_free_block
+        for _ in range(n):
+            while node.block_id < 0:  # a separator: the next segment, unless hidden
+                if node is self._tail or node.segment >= self.reserve_from:
+                    raise ValueError("No free blocks available")
+                node = node.next_free_block
+            block, node = node, node.next_free_block
+            self._unlink(block, evicting=True)
+            blocks.append(block)
+        return blocks
 
     def remove(self, block: Block) -> None:
         if block.prev_free_block is None or block.next_free_block is None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 UNCLASSIFIED_PRIORITY = 1 << 30  # below every tier
@@ -104,25 +104,27 @@ def admission_victims(
     head_class: tuple[int, int, int],
     need: int,
     free: int,
-    candidates: Sequence[tuple[Candidate, int]],
+    candidates: Sequence[Candidate],
     rule: VictimRule,
+    returns: Callable[[int], int],
 ) -> list[int]:
     """Which running requests to preempt so a waiting request of class `head_class` fits.
 
     `need` blocks are wanted (after its prefix-cache hit) and `free` are free to it;
-    each candidate comes with the blocks its preemption would return. Only requests of
-    a strictly lower class may go, in victim order (so the least work is lost), and only
-    as many as close the gap. Returns their indices, or [] when even all of them would
-    not admit it: then nobody is preempted for nothing.
+    `returns(i)` is the blocks preempting candidate i would return, asked only of the
+    candidates looked at, in victim order (it walks the request's blocks). Only requests
+    of a strictly lower class may go, in victim order (so the least work is lost), and
+    only as many as close the gap. Returns their indices, or [] when even all of them
+    would not admit it: then nobody is preempted for nothing.
     """
-    lower = [i for i, (c, _) in enumerate(candidates) if _class_of(c) > head_class]
-    lower.sort(key=lambda i: keep_key(candidates[i][0], rule), reverse=True)
+    lower = [i for i, c in enumerate(candidates) if _class_of(c) > head_class]
+    lower.sort(key=lambda i: keep_key(candidates[i], rule), reverse=True)
     chosen: list[int] = []
     for i in lower:
         if free >= need:
             break
         chosen.append(i)
-        free += candidates[i][1]
+        free += returns(i)
     return chosen if free >= need else []
 
 

@@ -694,22 +694,33 @@ class TenantSchedulingMixin(_SchedulerBase):
             kv.wrapped_allocate if tight or kv.kv_caps else kv.allocate
         )
 
-    def _allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        *args: Any,
+        num_lookahead_tokens: int = 0,
+        **kwargs: Any,
+    ):
         """vLLM's `allocate_slots` in a step that may run short, noting whose allocation
         evicts (a preemption later in the step may free a block and hand it on, so the
         step's output would not say who took it from the cache). A running request whose
         next tokens fit in blocks nobody reserves goes to vLLM's call from this one frame:
-        there a reservation changes nothing and the allocation cannot fail."""
+        there a reservation changes nothing and the allocation cannot fail. vLLM makes that
+        call (tokens, lookahead) for every running request every step: it is forwarded
+        without packing the arguments again, which was 0.3 of this frame's 0.5 us."""
         kv = self.kvlease
         kv.cause = request
+        queue = kv.free_queue
         unit = kv.block_unit  # the most new blocks these tokens can take (0: no cheap bound)
-        most = (args[0] + kwargs.get("num_lookahead_tokens", 0)) // unit + 1 if unit else 1 << 62
+        most = (num_new_tokens + num_lookahead_tokens) // unit + 1 if unit else 1 << 62
         running = request.status is RUNNING
-        if running and len(args) == 1 and kv.free_queue.free_unreserved > most and not kv.kv_caps:
-            blocks = kv.allocate(request, *args, **kwargs)
+        if running and not (args or kwargs or kv.kv_caps) and queue.free_unreserved > most:
+            blocks = kv.allocate(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
         else:
-            blocks = self._allocate_leasing(request, running, most, args, kwargs)
-        if kv.free_queue.evictions:
+            kwargs["num_lookahead_tokens"] = num_lookahead_tokens
+            blocks = self._allocate_leasing(request, running, most, (num_new_tokens, *args), kwargs)
+        if queue.evictions:
             self._report_evictions(request)
         return blocks
 
@@ -842,6 +853,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         if free >= need and not slot_short:
             return []
         lower: list[Request] = []
+        candidates: list[Candidate] = []
         for request in reversed(self.running):
             t = self._tenancy_of(request)
             if t.victim_class <= head_t.victim_class:
@@ -850,16 +862,13 @@ class TenantSchedulingMixin(_SchedulerBase):
                 continue
             if self._request_blocks_can_be_freed(request):
                 lower.append(request)
-        candidates = []
-        for r in lower:
-            t = self._tenancy_of(r)
-            candidates.append((t.candidate(r, self._counter(t)), self._reclaimable(r)))
+                candidates.append(t.candidate(request, self._counter(t)))
         rule = kv.settings.victim_rule
-        chosen = admission_victims(head_t.victim_class, need, free, candidates, rule)
+        chosen = admission_victims(
+            head_t.victim_class, need, free, candidates, rule, lambda i: self._reclaimable(lower[i])
+        )
         if slot_short and not chosen and free >= need and candidates:
-            chosen = admission_victims(
-                head_t.victim_class, 1, 0, [(c, 1) for c, _ in candidates], rule
-            )
+            chosen = admission_victims(head_t.victim_class, 1, 0, candidates, rule, lambda i: 1)
         if not chosen:
             return []  # preempting could not admit the head: leave everyone running
         victims = [lower[i] for i in chosen]

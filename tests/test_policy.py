@@ -198,12 +198,19 @@ def test_admission_preempts_only_lower_classes_least_first_and_only_what_closes_
 ):
     cs, blocks = data
     pairs = list(zip(cs, blocks, strict=False))
-    chosen = admission_victims(head, need, free, pairs, rule)
+    asked: list[int] = []
+
+    def returns(i: int) -> int:
+        asked.append(i)
+        return pairs[i][1]
+
+    chosen = admission_victims(head, need, free, [c for c, _ in pairs], rule, returns)
     if not chosen:
         lower = sum(b for c, b in pairs if _rank(c) > head)
         assert free >= need or free + lower < need
         return
     assert free < need
+    assert asked == chosen  # only the victims were asked what they return
     victims = [pairs[i][0] for i in chosen]
     assert all(_rank(c) > head for c in victims)
     assert free + sum(pairs[i][1] for i in chosen) >= need
