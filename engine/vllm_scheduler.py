@@ -708,7 +708,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         next tokens fit in blocks nobody reserves goes to vLLM's call from this one frame:
         there a reservation changes nothing and the allocation cannot fail. vLLM makes that
         call (tokens, lookahead) for every running request every step: it is forwarded
-        without packing the arguments again, which was 0.3 of this frame's 0.5 us."""
+        without packing the arguments again (the frame's cost a call: 0.16 us, 0.47 us with it)."""
         kv = self.kvlease
         kv.cause = request
         queue = kv.free_queue
