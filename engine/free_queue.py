@@ -197,13 +197,9 @@ class TenantFreeBlockQueue:
         return self._tail
 
     def popleft(self) -> Block:
-        node = self._head.next_free_block
-        while node.block_id < 0:
-            if node is self._tail or node.segment >= self.reserve_from:
-                raise ValueError("No free blocks available")
-            node = node.next_free_block
-        self._unlink(node, evicting=True)
-        return node
+        if not self.num_free_blocks:
+            raise ValueError("No free blocks available")
+        return self.popleft_n(1)[0]  # vLLM pops one block so only once: its null block
 
     def popleft_n(self, n: int) -> list[Block]:
         """`n` pops, the list walked once: every allocation of new blocks comes here."""
