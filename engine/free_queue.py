@@ -113,7 +113,9 @@ class TenantFreeBlockQueue:
     Costs: popleft is O(segments) (a small constant: twice the leasing tiers, + 2), remove,
     append (with a demotion at the cap) and prepend are O(1), `num_free_blocks`
     is a plain attribute, `reserve` O(segments); none allocates, except that a popleft
-    evicting a held prefix block logs it (one tuple appended to `evictions`).
+    evicting a held prefix block logs it (one tuple appended to `evictions`) and that
+    `popleft` builds a one-block list (it is `popleft_n(1)`; vLLM calls it once, for
+    its null block).
     `retain`, `demote` and `release` are O(blocks in that tier's segments) and happen
     once per reservation window, turn or lease, off the per-step path.
     """
