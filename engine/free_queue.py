@@ -201,7 +201,7 @@ class TenantFreeBlockQueue:
     def popleft(self) -> Block:
         if not self.num_free_blocks:
             raise ValueError("No free blocks available")
-        return self.popleft_n(1)[0]  # vLLM pops one block so only once: its null block
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[Block]:
         """`n` pops, the list walked once: every allocation of new blocks comes here."""
