@@ -31,7 +31,13 @@ model starts in a few seconds.
 
 Two clocks. Requests arrive at fixed engine steps (bench/workload.StepTrace)
 and kvlease's lease clock follows the steps (`--steps-per-second`), so step
-figures are deterministic; each step's wall time is recorded as well. A thin
+figures are deterministic; each step's wall time is recorded as well. At 10 steps a
+second that clock runs about 50 times faster than the wall (a step takes about 2 ms
+here), so kvlease's occupancy sample, due every `sample_seconds` of its clock, would come
+every 2.5 steps instead of every ~125 as when serving: its `sample_seconds` is set to
+`--sample-steps` steps of the clock, as often a step as when serving (bench/overhead.py
+paces it the same way, by busy time). The sample decides nothing: step figures do not
+depend on it. A thin
 subclass of each scheduler counts what was computed and who was preempted; it
 changes no decision. Results: bench/results/policy.{json,md,png}.
 """
@@ -63,6 +69,10 @@ from kvlease.replay.sessions import Arrival, StepTrace
 POOL_BLOCKS = 64  # as the demo: 2,016 usable tokens
 MAX_CONTEXT = 1400  # a session ends before its context passes this (or max_model_len)
 RESULTS = Path(__file__).parent / "results"
+# Steps between kvlease's occupancy samples: 0.25 s (its default `sample_seconds`) at 2.5 ms
+# a step; this trace's steps take 1.7-2.2 ms here, so the bench samples a little more often
+# than a server on this machine would.
+SAMPLE_STEPS = 100
 # kvlease with one mechanism changed, and the settings that change it (kvlease.engine.settings)
 ABLATION_SETTINGS: dict[str, dict[str, Any]] = {
     "reserve-never": {"reserve": "never"},  # no reservation: leases protect by order only
@@ -385,6 +395,10 @@ def main() -> int:
     parser.add_argument("--steps-per-second", type=float, default=10.0)
     parser.add_argument("--pool-blocks", type=int, default=POOL_BLOCKS)
     parser.add_argument("--repeats", type=int, default=None, help="rounds of every way")
+    parser.add_argument(
+        "--sample-steps", type=float, default=SAMPLE_STEPS,
+        help="engine steps between kvlease's occupancy samples (the trace's clock: 2.5)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
@@ -404,6 +418,9 @@ def main() -> int:
     print(f"trace: {len(turns)} requests ({len(premium)} premium)", flush=True)
     pool = args.pool_blocks
     caps = tiers.leased_caps(pool - 1)  # vLLM keeps one block back (its null block)
+    sps = args.steps_per_second
+    # as often a step as when serving (SAMPLE_STEPS); the sample decides nothing
+    paced = {"sample_seconds": args.sample_steps * tick_seconds(sps)}
     # Before the telemetry engine: each PrometheusStatLogger unregisters the ones before
     # it, and the scrape should render the telemetry engine's vLLM metrics.
     stock_stats = start_engine(
@@ -411,24 +428,27 @@ def main() -> int:
     )
     telemetry = Telemetry(Path(tempfile.mkdtemp(prefix="kvlease-bench-")))
     loud = start_engine(
-        "kvlease", model, TenantAwareScheduler, "fcfs", pool,
+        "kvlease", model, TenantAwareScheduler, "fcfs", pool, paced,
         stat_loggers=telemetry.stat_loggers(), disable_log_stats=False,
     )  # fmt: skip
     loud.telemetry = telemetry
     telemetry.engine_started()
     engines = {
-        "alone": start_engine("alone", model, TenantAwareScheduler, "fcfs", pool),
+        "alone": start_engine("alone", model, TenantAwareScheduler, "fcfs", pool, paced),
         "kvlease": loud,
-        "kvlease-quiet": start_engine("kvlease-quiet", model, TenantAwareScheduler, "fcfs", pool),
+        "kvlease-quiet": start_engine(
+            "kvlease-quiet", model, TenantAwareScheduler, "fcfs", pool, paced
+        ),
         **{
-            name: start_engine(name, model, TenantAwareScheduler, "fcfs", pool, settings)
+            name: start_engine(
+                name, model, TenantAwareScheduler, "fcfs", pool, {**paced, **settings}
+            )
             for name, settings in ABLATION_SETTINGS.items()
         },
         "fcfs": start_engine("fcfs", model, Scheduler, "fcfs", pool),
         "priority": start_engine("priority", model, Scheduler, "priority", pool),
         "priority-stats": stock_stats,
     }  # fmt: skip
-    sps = args.steps_per_second
     # `alone` has an engine of its own: whatever a played trace leaves in an engine (its
     # cached blocks' order, its counters) would make the next trace on it differ from a
     # fresh server's (kvlease-quiet took 1,121 steps of the one-shot trace after it, 1,112
@@ -463,6 +483,7 @@ def main() -> int:
         "requests": len(turns),
         "pool_blocks": pool,
         "steps_per_second": sps,
+        "sample_steps": args.sample_steps,  # kvlease's occupancy sample (SAMPLE_STEPS)
         "repeats": repeats,
         "ways": ways,
         "targets": targets(ways),

@@ -51,6 +51,7 @@ def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token
     # Premium alone never runs short here: nothing preempted, so nothing recomputed.
     assert ways["alone"]["recomputed_tokens"] == 0
     assert all(w["recomputed_tokens"] >= 0 for w in ways.values())
+    assert result["sample_steps"] == 100  # the occupancy sample paced as when serving
     # Telemetry changes no decision, kvlease's or vLLM's: the step clock gives identical
     # figures.
     for key in ("engine_steps", "recomputed_tokens", "output_tokens"):
