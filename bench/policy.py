@@ -34,12 +34,11 @@ and kvlease's lease clock follows the steps (`--steps-per-second`), so step
 figures are deterministic; each step's wall time is recorded as well. At 10 steps a
 second that clock runs about 50 times faster than the wall (a step takes about 2 ms
 here), so kvlease's occupancy sample, due every `sample_seconds` of its clock, would come
-every 2.5 steps instead of every ~125 as when serving: its `sample_seconds` is set to
-`--sample-steps` steps of the clock, as often a step as when serving (bench/overhead.py
-paces it the same way, by busy time). The sample decides nothing: step figures do not
-depend on it. A thin
-subclass of each scheduler counts what was computed and who was preempted; it
-changes no decision. Results: bench/results/policy.{json,md,png}.
+every 2.5 steps instead of every 110-150 as when serving: its `sample_seconds` is set to
+`--sample-steps` steps of the clock (bench/overhead.py paces it by busy time). The sample
+decides nothing: step figures do not depend on it. A thin subclass of each scheduler
+counts what was computed and who was preempted; it changes no decision. Results:
+bench/results/policy.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -419,8 +418,7 @@ def main() -> int:
     pool = args.pool_blocks
     caps = tiers.leased_caps(pool - 1)  # vLLM keeps one block back (its null block)
     sps = args.steps_per_second
-    # as often a step as when serving (SAMPLE_STEPS); the sample decides nothing
-    paced = {"sample_seconds": args.sample_steps * tick_seconds(sps)}
+    paced = {"sample_seconds": args.sample_steps * tick_seconds(sps)}  # kvlease's engines
     # Before the telemetry engine: each PrometheusStatLogger unregisters the ones before
     # it, and the scrape should render the telemetry engine's vLLM metrics.
     stock_stats = start_engine(
