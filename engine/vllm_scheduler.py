@@ -39,6 +39,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING, Any, cast
 
 from kvlease.engine.runtime import require_vllm
@@ -801,28 +802,34 @@ class TenantSchedulingMixin(_SchedulerBase):
         scan stops at another class) or among `account`'s requests, move the first victim
         by `within_class_key` (furthest above its fair share, then the victim rule);
         `by_class`: the lowest class first, then that key. `request` itself competes at
-        its computed tokens plus one per request behind it (see `_place_victim`)."""
-        running, rule = self.running, self.kvlease.settings.victim_rule
+        its computed tokens plus one per request behind it (see `_place_victim`).
+
+        It runs at every preemption under pressure, over up to every running request of a
+        class, so each one looked at costs a dict lookup and one key; whether a request's
+        blocks can be freed now (vLLM's check) is asked only of a new best."""
+        running, kv = self.running, self.kvlease
+        tenancy, rule, fair = kv.tenancy, kv.settings.victim_rule, kv.settings.fair_share
         best = -1
         best_key: tuple[Any, ...] | None = None
         key: tuple[Any, ...]  # within_class_key's, or (victim class, that) `by_class`
-        for i in range(len(running) - 1, -1, -1):
-            candidate = running[i]
-            t = self._tenancy_of(candidate)
+        for i, candidate in zip(range(len(running) - 1, -1, -1), reversed(running), strict=True):
+            t = tenancy.get(candidate.request_id) or self._tenancy_of(candidate)
             if klass is not None and t.key[0] != klass:
                 break
-            mine = account is None or t.account is account
-            if mine and self._request_blocks_can_be_freed(candidate):
+            if account is None or t.account is account:
                 if candidate is request and best >= 0:
                     behind = len(running) - 1 - i  # unserved this step if it is preempted
                     if candidate.num_computed_tokens + behind >= running[best].num_computed_tokens:
                         break
+                counter = t.account.counter if fair and t.account is not None else 0.0  # _counter
                 key = within_class_key(
-                    rule, candidate.num_computed_tokens, candidate.arrival_time, self._counter(t)
+                    rule, candidate.num_computed_tokens, candidate.arrival_time, counter
                 )
                 if by_class:
                     key = (t.victim_class, key)
-                if best_key is None or key > best_key:
+                if (best_key is None or key > best_key) and self._request_blocks_can_be_freed(
+                    candidate
+                ):
                     best, best_key = i, key
             if candidate is request:
                 break
@@ -1268,15 +1275,18 @@ class TenantSchedulingMixin(_SchedulerBase):
 
 
 def _block_takers(output: SchedulerOutput) -> dict[int, str]:
-    """Block id -> the request a step's output hands it to as a new block. O(new blocks)."""
+    """Block id -> the request a step's output hands it to as a new block. O(new blocks)
+    in Python: of the running requests, the few that grew a block this step are picked out
+    by `compress` (vLLM's `new_block_ids` is None for the others)."""
     takers = {}
     for new in output.scheduled_new_reqs:
         for group in new.block_ids:
             for block_id in group:
                 takers[block_id] = new.req_id
     cached = output.scheduled_cached_reqs
-    for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-        for group in new_ids or ():
+    grown = filter(None, cached.new_block_ids)
+    for req_id, new_ids in zip(compress(cached.req_ids, cached.new_block_ids), grown, strict=True):
+        for group in new_ids:
             for block_id in group:
                 takers[block_id] = req_id
     return takers
