@@ -821,7 +821,8 @@ class TenantSchedulingMixin(_SchedulerBase):
                     behind = len(running) - 1 - i  # unserved this step if it is preempted
                     if candidate.num_computed_tokens + behind >= running[best].num_computed_tokens:
                         break
-                counter = t.account.counter if fair and t.account is not None else 0.0  # _counter
+                # `_counter`, inline: this line runs for every request the scan looks at
+                counter = t.account.counter if fair and t.account is not None else 0.0
                 key = within_class_key(
                     rule, candidate.num_computed_tokens, candidate.arrival_time, counter
                 )
