@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -145,32 +146,41 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
     loads = {name: build(cls, model, n, pressure, kv) for name, (cls, kv) in classes.items()}
     gc.collect()
     gc.freeze()  # as vLLM's EngineCore does once started: full collections skip this heap
-    best = {name: float("inf") for name in classes}
-    scheduled = {name: 0.0 for name in classes}
+    # Each repeat's mean step and requests scheduled per step, per scheduler.
+    seconds: dict[str, list[float]] = {name: [] for name in classes}
+    scheduled: dict[str, list[float]] = {name: [] for name in classes}
     names = list(classes)
     for i in range(repeats):
         rotated = report.rotated(names, i)
         timed = time_together([loads[name] for name in rotated], steps)
-        for name, (seconds, scheduled[name]) in zip(rotated, timed, strict=True):
-            best[name] = min(best[name], seconds)
+        for name, (took, count) in zip(rotated, timed, strict=True):
+            seconds[name].append(took)
+            scheduled[name].append(count)
+    per_step = {name: statistics.mean(counts) for name, counts in scheduled.items()}
     if pressure:  # not timed: only how many requests it schedules
         off = build(TenantAwareScheduler, model, n, pressure, EVERY_MECHANISM_OFF)
-        scheduled["kvlease-off"] = time_steps(off, steps)[1]
+        per_step["kvlease-off"] = time_steps(off, steps)[1]
 
-    def per_request(name: str) -> float:
-        """`name`'s time per scheduled request over stock's."""
-        return (best[name] / scheduled[name]) / (best["stock"] / scheduled["stock"])
+    def ratio(name: str, per_request: bool = True) -> float:
+        """`name`'s time (per scheduled request) over stock's: the median over repeats of
+        each repeat's ratio. In a repeat every scheduler steps in turn, so both meet the
+        same host; the fastest repeats of two schedulers may be different repeats."""
+        return statistics.median(
+            (seconds[name][i] / (scheduled[name][i] if per_request else 1))
+            / (seconds["stock"][i] / (scheduled["stock"][i] if per_request else 1))
+            for i in range(repeats)
+        )
 
     return {
         "running": n,
         "pressure": pressure,
-        "scheduled_per_step": scheduled,
-        "stock_us": best["stock"] * 1e6,
-        "kvlease_us": best["kvlease"] * 1e6,
-        "ratio": best["kvlease"] / best["stock"],
-        "ratio_per_request": per_request("kvlease"),
-        "stock_again_ratio": best["stock-again"] / best["stock"],
-        "unreserved_ratio_per_request": per_request("kvlease-unreserved"),
+        "scheduled_per_step": per_step,
+        "stock_us": min(seconds["stock"]) * 1e6,
+        "kvlease_us": min(seconds["kvlease"]) * 1e6,
+        "ratio": ratio("kvlease", per_request=False),
+        "ratio_per_request": ratio("kvlease"),
+        "stock_again_ratio": ratio("stock-again", per_request=False),
+        "unreserved_ratio_per_request": ratio("kvlease-unreserved"),
         "requests_sent": {k: len(load.sent) for k, load in loads.items()},
         "preemptions": {k: load.preemptions() for k, load in loads.items()},
     }
