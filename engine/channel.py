@@ -49,6 +49,12 @@ def new_address() -> str:
     return f"ipc://{tempfile.gettempdir()}/kvlease-{uuid.uuid4().hex[:12]}.ipc"
 
 
+def configured() -> bool:
+    """Whether this process's scheduler has API processes to send to (`kvlease serve` set
+    the channel's address before the engine started)."""
+    return bool(os.environ.get(ADDRESS_ENV))
+
+
 def address_for(base: str, api_server: int) -> str:
     """The address API process `api_server` binds, for the run's base address."""
     return base if api_server == 0 else f"{base}-{api_server}"
@@ -104,9 +110,9 @@ class Publisher:
 
     @classmethod
     def from_env(cls, api_servers: int = 1, capacity: int = 65536) -> Publisher | None:
-        base = os.environ.get(ADDRESS_ENV)
-        if not base:
+        if not configured():
             return None
+        base = os.environ[ADDRESS_ENV]
         return cls([address_for(base, i) for i in range(api_servers)], capacity)
 
 

@@ -200,21 +200,24 @@ def decode(raw: bytes) -> Message:
 
 class EventBuffer:
     """A FIFO of at most `capacity` events; overflow drops the newest and counts it.
+    Capacity 0 keeps nothing and counts nothing: nobody reads this scheduler's events
+    (`kvlease.engine.settings.SchedulerSettings.events_kept`).
 
     Invariant: len(self) <= capacity; `dropped` only grows. push and drain are
     O(1) per event.
     """
 
     def __init__(self, capacity: int = 65536) -> None:
-        if capacity <= 0:
-            raise ValueError("event buffer capacity must be positive")
+        if capacity < 0:
+            raise ValueError("event buffer capacity must be 0 or more")
         self.capacity = capacity
         self.dropped = 0
         self._events: deque[Event] = deque()
 
     def push(self, event: Event) -> None:
         if len(self._events) >= self.capacity:
-            self.dropped += 1
+            if self.capacity:
+                self.dropped += 1
             return
         self._events.append(event)
 

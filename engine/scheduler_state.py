@@ -60,7 +60,7 @@ class KvleaseState:
       reserved and retained block-seconds (kvlease.engine.retention); O(open episodes)
       a sample.
     - `accounting` holds cumulative totals, exact whatever happens to `events`
-      (bounded; overflow counted in `events.dropped`).
+      (bounded; overflow counted in `events.dropped`; none kept where nothing reads them).
     - `cause`: the request whose allocation (or admission) is under way: what a
       preemption or eviction it causes is attributed to; None outside one.
 
@@ -110,7 +110,7 @@ class KvleaseState:
         "wrapped_allocate",
     )
 
-    def __init__(self, settings: SchedulerSettings, model_name: str) -> None:
+    def __init__(self, settings: SchedulerSettings, model_name: str, published: bool) -> None:
         tiers = settings.tiers
         self.settings = settings
         self.clock: Callable[[], float] = time.monotonic
@@ -126,7 +126,7 @@ class KvleaseState:
         self.windows: list[tuple[float, int, Session]] = []  # reservation ends, a heap
         self.seq = itertools.count()  # ties in `windows`
         self.retention = RetentionMeter(model_name)
-        self.events = EventBuffer(settings.event_capacity)
+        self.events = EventBuffer(settings.events_kept(published))  # `published`: a channel
         self.accounting = TenantAccounting()
         self.label = TenantLabels.from_env()  # bounded tenant keys for totals and snapshots
         self.tenant_tiers: dict[str, str] = {}  # tenant label -> the tier it last came with

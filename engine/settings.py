@@ -41,6 +41,10 @@ KEYS = {
 # give the free tier's worst TTFT 1.20x stock PRIORITY's (median) against 1.54x at 0.
 FAIR_SLACK = 3000.0
 
+# Events a scheduler keeps for kvlease's API process between two steps' sends (and for
+# a send backlog), unless `event_capacity` says otherwise.
+EVENT_CAPACITY = 65536
+
 
 class SettingsError(ValueError):
     """A scheduler setting is invalid; the message names the setting and its source."""
@@ -52,7 +56,7 @@ class SchedulerSettings:
     victim_rule: VictimRule = VictimRule.LEAST_WORK
     debug_accounting: bool = False  # check the block invariant every step
     sample_seconds: float = 0.25  # how often occupancy is integrated into block-seconds
-    event_capacity: int = 65536
+    event_capacity: int | None = None  # None: `events_kept` decides
     effective_tflops: float | None = None  # for the recompute-vs-offload cost model
     host_link_gbps: float | None = None  # GB/s device<->host, one way
     fair_share: bool = True  # weighted VTC inside each tier (off: FIFO within a tier)
@@ -114,8 +118,7 @@ class SchedulerSettings:
             key: _flag(raw[key], True, where(key))
             for key in ("lease_order", "admission_preemption", "class_service", "reserve_payback")
         }
-        capacity = number("event_capacity", 0, 65536)
-        assert capacity is not None
+        capacity = number("event_capacity", 0, None, inclusive=True)
         sample = number("sample_seconds", 0, 0.25)
         assert sample is not None
         slack = number("fair_slack", 0, FAIR_SLACK, inclusive=True)
@@ -125,7 +128,7 @@ class SchedulerSettings:
             victim_rule=rule,
             debug_accounting=debug,
             sample_seconds=sample,
-            event_capacity=int(capacity),
+            event_capacity=None if capacity is None else int(capacity),
             effective_tflops=number("effective_tflops", 0, None),
             host_link_gbps=number("host_link_gbps", 0, None),
             fair_share=fair,
@@ -133,6 +136,16 @@ class SchedulerSettings:
             reserve=reserve,
             **switches,
         )
+
+    def events_kept(self, published: bool) -> int:
+        """How many events the scheduler keeps: `event_capacity` if set, else
+        EVENT_CAPACITY where a channel carries them to kvlease's API process (`published`)
+        and none where nothing reads them (a plain `vllm serve --scheduler-cls`), so that
+        engine holds no buffer of events nobody will read. An in-process reader (a test,
+        `kvlease replay`) sets `event_capacity`."""
+        if self.event_capacity is not None:
+            return self.event_capacity
+        return EVENT_CAPACITY if published else 0
 
 
 def _flag(value: Any, default: bool, where: str) -> bool:

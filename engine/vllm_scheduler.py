@@ -55,7 +55,7 @@ from vllm.v1.core.sched.request_queue import (  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvlease.engine import processes, snapshot  # noqa: E402
+from kvlease.engine import channel, processes, snapshot  # noqa: E402
 from kvlease.engine.channel import Publisher  # noqa: E402
 from kvlease.engine.events import (  # noqa: E402
     NO_CAUSE,
@@ -284,7 +284,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         settings = SchedulerSettings.load(additional if isinstance(additional, dict) else None)
         model_name = self.vllm_config.model_config.served_model_name
         assert isinstance(model_name, str)  # ModelConfig keeps the first of a list
-        kv = self.kvlease = KvleaseState(settings, model_name)
+        kv = self.kvlease = KvleaseState(settings, model_name, channel.configured())
         tiers = settings.tiers
         pool = kv.pool = self.kv_cache_manager.block_pool
         usable = pool.num_gpu_blocks - 1  # vLLM's null block is never handed out
@@ -332,7 +332,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         kv.rank = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
         # vLLM's count of API processes (`--api-server-count`): each gets every message.
         api_servers = getattr(parallel, "_api_process_count", 1)
-        kv.publisher = Publisher.from_env(api_servers, settings.event_capacity)
+        kv.publisher = Publisher.from_env(api_servers, kv.events.capacity)
         kv.offload_available = self.vllm_config.kv_transfer_config is not None
         logger.info(
             "kvlease scheduler (rank %d): tiers %s, victim rule %s, pool %d blocks, leased caps %s",

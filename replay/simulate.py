@@ -27,6 +27,7 @@ from typing import Any
 from kvlease.demo.workload import Turn
 from kvlease.engine.events import RequestDone, Retention
 from kvlease.engine.policy import blocks_for
+from kvlease.engine.settings import EVENT_CAPACITY
 from kvlease.engine.tenancy import TierTable
 from kvlease.replay.clock import StepCost, tick_seconds
 from kvlease.replay.sessions import Arrival, StepTrace
@@ -135,7 +136,11 @@ def simulate(
     finished requests' count."""
     from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
-    kvlease = {**({"tiers": tiers_path} if tiers_path else {}), **(settings or {})}
+    kvlease = {
+        **({"tiers": tiers_path} if tiers_path else {}),
+        "event_capacity": EVENT_CAPACITY,  # `_settle` reads them
+        **(settings or {}),
+    }
     scheduler = make_scheduler(
         TenantAwareScheduler if stock is None else counting_stock_scheduler(),
         model,

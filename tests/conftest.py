@@ -92,12 +92,14 @@ def stock_engine(demo_model):
 def kvlease_engine(demo_model):
     from engines import recording, start_engine
 
+    from kvlease.engine.settings import EVENT_CAPACITY
     from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
     return start_engine(
         demo_model,
         recording(TenantAwareScheduler),
-        additional_config={"kvlease": {"debug_accounting": True}},
+        # its events are read here (no channel: none are kept unless asked)
+        additional_config={"kvlease": {"debug_accounting": True, "event_capacity": EVENT_CAPACITY}},
     )
 
 

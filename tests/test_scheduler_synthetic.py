@@ -15,6 +15,7 @@ from vllm.v1.request import RequestStatus
 
 from kvlease.engine.events import TenantHolding
 from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST
+from kvlease.engine.settings import EVENT_CAPACITY
 from kvlease.engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
 from kvlease.replay.synthetic import BLOCK, make_request, make_scheduler, step
 
@@ -23,9 +24,9 @@ CLASSES = [TenantAwareScheduler, TenantAwareAsyncScheduler]
 
 
 def _scheduler(cls, demo_model, blocks=24, **kvlease):
-    return make_scheduler(
-        recording(cls), demo_model, blocks, kvlease={"debug_accounting": True, **kvlease}
-    )
+    """A scheduler whose events these tests read (no channel: none are kept unless asked)."""
+    settings = {"debug_accounting": True, "event_capacity": EVENT_CAPACITY, **kvlease}
+    return make_scheduler(recording(cls), demo_model, blocks, kvlease=settings)
 
 
 def _run(scheduler, limit=10_000, each_step=None) -> int:
@@ -154,6 +155,18 @@ def test_event_overflow_is_counted_and_counters_stay_exact(demo_model):
     _run(scheduler)
     assert len(scheduler.kvlease.events) == 3
     assert scheduler.kvlease.events.dropped > 0
+    assert sum(scheduler.kvlease.accounting.preemptions.values()) == len(scheduler.preemptions)
+
+
+def test_without_a_channel_or_a_reader_no_event_is_kept_and_counters_stay_exact(demo_model):
+    """A plain `vllm serve --scheduler-cls`: nothing reads the events, so none pile up
+    (none counted as dropped either); the totals the snapshot carries are still exact."""
+    scheduler = make_scheduler(recording(TenantAwareScheduler), demo_model, 24)
+    for i in range(12):
+        scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
+    _run(scheduler)
+    assert (len(scheduler.kvlease.events), scheduler.kvlease.events.dropped) == (0, 0)
+    assert scheduler.preemptions  # events there were
     assert sum(scheduler.kvlease.accounting.preemptions.values()) == len(scheduler.preemptions)
 
 

@@ -3,7 +3,7 @@ import pytest
 from kvlease.engine.accounting import AccountingError, TenantAccounting
 from kvlease.engine.events import TenantHolding
 from kvlease.engine.policy import VictimRule
-from kvlease.engine.settings import FAIR_SLACK, SchedulerSettings, SettingsError
+from kvlease.engine.settings import EVENT_CAPACITY, FAIR_SLACK, SchedulerSettings, SettingsError
 
 
 def test_defaults():
@@ -44,6 +44,19 @@ def test_every_mechanism_is_on_unless_turned_off_for_an_ablation():
     assert [getattr(off, key) for key in switches] == [False] * 4
 
 
+def test_events_are_kept_only_where_something_reads_them():
+    """A channel to kvlease's API process reads them; a plain `vllm serve
+    --scheduler-cls` has none, and an in-process reader sets `event_capacity`."""
+    default = SchedulerSettings.load({}, env={})
+    assert (default.events_kept(published=True), default.events_kept(published=False)) == (
+        EVENT_CAPACITY,
+        0,
+    )
+    for given in (0, 3):
+        s = SchedulerSettings.load({}, env={"KVLEASE_EVENT_CAPACITY": str(given)})
+        assert (s.events_kept(published=True), s.events_kept(published=False)) == (given, given)
+
+
 @pytest.mark.parametrize(
     ("additional", "env", "message"),
     [
@@ -52,6 +65,7 @@ def test_every_mechanism_is_on_unless_turned_off_for_an_ablation():
         ({"kvlease": {"sample_seconds": 0}}, {}, "sample_seconds must be > 0"),
         ({}, {"KVLEASE_FAIR_SLACK": "-1"}, "KVLEASE_FAIR_SLACK must be >= 0"),
         ({}, {"KVLEASE_EVENT_CAPACITY": "lots"}, "KVLEASE_EVENT_CAPACITY must be a number"),
+        ({}, {"KVLEASE_EVENT_CAPACITY": "-1"}, "KVLEASE_EVENT_CAPACITY must be >= 0"),
         ({}, {"KVLEASE_RESERVE": "always"}, "KVLEASE_RESERVE must be one of 'auto'"),
         ({}, {"KVLEASE_CLASS_SERVICE": "maybe"}, "KVLEASE_CLASS_SERVICE must be true or false"),
     ],
