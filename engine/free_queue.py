@@ -227,30 +227,23 @@ class TenantFreeBlockQueue:
         self._unlink(block, evicting=False)
 
     def append(self, block: Block) -> None:
-        owner = self.owner
-        if owner is None or block.block_hash is None:
-            self._insert_before(self._seps[CACHED + 1], block, CACHED, None)
-            return
-        index = owner.lease_index
-        cls = EvictionClass.CACHED
-        if index is not None:
-            cap = self._cap[self._first_reserved + index]
-            cls = eviction_class(True, owner.protected, owner.reserving and cap > 0)
-        if cls is EvictionClass.RESERVED:
-            assert index is not None  # only a leasing tier's blocks are reserved or retained
-            seg = self._first_reserved + index
-            if self._count[seg] >= self._cap[seg]:
-                self._demote_oldest(seg)
-        elif cls is EvictionClass.RETAINED:
-            assert index is not None
-            seg = self._retained(index)
-        else:
-            seg = CACHED
-        self._insert_before(self._seps[seg + 1], block, seg, owner)
+        self.append_n((block,))
 
     def append_n(self, blocks: Sequence[Block]) -> None:
+        """Each block to the back of its segment. One owner frees them all (one request's
+        blocks), so the segment is worked out once; a block with no prefix is CACHED and
+        unowned, as in vLLM's queue. O(1) a block."""
+        owner = self.owner
+        seg = CACHED if owner is None else self._segment_for(owner)
+        capped = seg >= self._first_reserved
+        back, cached_back = self._seps[seg + 1], self._seps[CACHED + 1]
         for block in blocks:
-            self.append(block)
+            if block.block_hash is None:
+                self._insert_before(cached_back, block, CACHED, None)
+                continue
+            if capped and self._count[seg] >= self._cap[seg]:
+                self._demote_oldest(seg)
+            self._insert_before(back, block, seg, owner)
 
     def prepend_n(self, blocks: Sequence[Block]) -> None:
         after = self._head
@@ -383,6 +376,19 @@ class TenantFreeBlockQueue:
         retained = self._retained(seg - self._first_reserved)
         self._unlink(block, evicting=False)
         self._insert_before(self._seps[retained + 1], block, retained, owner)
+
+    def _segment_for(self, owner: Holder) -> int:
+        """The segment `owner`'s freed prefix blocks go to now (`policy.eviction_class`)."""
+        index = owner.lease_index
+        if index is None:
+            return CACHED
+        reserving = owner.reserving and self._cap[self._first_reserved + index] > 0
+        cls = eviction_class(True, owner.protected, reserving)
+        if cls is EvictionClass.RESERVED:
+            return self._first_reserved + index
+        if cls is EvictionClass.RETAINED:
+            return self._retained(index)
+        return CACHED
 
     def _retained(self, lease_index: int) -> int:
         """The segment a leasing tier's blocks go to when their lease protects by order."""

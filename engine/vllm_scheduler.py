@@ -1038,6 +1038,9 @@ class TenantSchedulingMixin(_SchedulerBase):
             if change is not None:
                 self._lease_event(holder, change.kind, change.expires_at, change.at, request)
             self._forget_if_idle(t.session, holder)
+        block_seconds = kv.accounting.request_done(request.request_id)
+        if not kv.events.capacity:  # nothing reads events (no channel): build none
+            return result
         kv.events.push(
             RequestDone(
                 at=now,
@@ -1048,7 +1051,7 @@ class TenantSchedulingMixin(_SchedulerBase):
                 status=request.status.name.lower(),
                 preemptions=request.num_preemptions,
                 recomputed_tokens=t.recomputed_tokens,
-                block_seconds=kv.accounting.request_done(request.request_id),
+                block_seconds=block_seconds,
                 prompt_tokens=request.num_prompt_tokens,
                 output_tokens=request.num_output_tokens,
                 lease_covered_tokens=t.lease_covered,
@@ -1146,9 +1149,10 @@ class TenantSchedulingMixin(_SchedulerBase):
             return
         t.admitted = True
         holder.returning -= 1
-        now = self.kvlease.clock()
-        if not holder.returning and holder.reserving and holder.reserved_until <= now:
-            self._close_window(holder, now)
+        if not holder.returning and holder.reserving:
+            now = self.kvlease.clock()
+            if holder.reserved_until <= now:
+                self._close_window(holder, now)
 
     def _close_window(self, holder: Holder, at: float) -> None:
         """The holder's reservation window closes at `at`: its reserved time is billed up to
@@ -1215,22 +1219,27 @@ class TenantSchedulingMixin(_SchedulerBase):
             key = (holder, leased, taker)
             blocks[key] = blocks.get(key, 0) + 1
         now = kv.clock()
+        labels: dict[Holder, str] = {}  # each holder evicted from, and its tenant label
         for (holder, leased, taker), n in blocks.items():
             request = self.requests.get(taker) if taker is not None else None
             by_tier, by_tenant = (NO_CAUSE, None) if request is None else self._cause_of(request)
-            label = kv.label(holder.tenant_id)
+            label = labels.get(holder)
+            if label is None:
+                label = labels[holder] = kv.label(holder.tenant_id)
             kv.accounting.count_eviction(label, holder.tier, leased, n, by_tier)
-            kv.events.push(
-                Eviction(
-                    at=now,
-                    tenant_id=holder.tenant_id,
-                    tier=holder.tier,
-                    leased=leased,
-                    blocks=n,
-                    by_tier=by_tier,
-                    by_tenant=by_tenant,
+            if kv.events.capacity:  # else nothing reads events (no channel): build none
+                kv.events.push(
+                    Eviction(
+                        at=now,
+                        tenant_id=holder.tenant_id,
+                        tier=holder.tier,
+                        leased=leased,
+                        blocks=n,
+                        by_tier=by_tier,
+                        by_tenant=by_tenant,
+                    )
                 )
-            )
+        for holder in labels:
             self._forget_if_idle((holder.tenant_id, holder.session_id), holder)
 
     # -- accounting ------------------------------------------------------------
