@@ -214,6 +214,12 @@ class EventBuffer:
         self.dropped = 0
         self._events: deque[Event] = deque()
 
+    @property
+    def wanted(self) -> bool:
+        """Whether anything reads these events; if not, callers build none (the scheduler
+        builds each at its source, in the step)."""
+        return self.capacity > 0
+
     def push(self, event: Event) -> None:
         if len(self._events) >= self.capacity:
             if self.capacity:

@@ -942,6 +942,8 @@ class TenantSchedulingMixin(_SchedulerBase):
             tokens,
             by_tier,
         )
+        if not kv.events.wanted:
+            return
         kv.events.push(
             Preemption(
                 at=kv.clock(),
@@ -1039,7 +1041,7 @@ class TenantSchedulingMixin(_SchedulerBase):
                 self._lease_event(holder, change.kind, change.expires_at, change.at, request)
             self._forget_if_idle(t.session, holder)
         block_seconds = kv.accounting.request_done(request.request_id)
-        if not kv.events.capacity:  # nothing reads events (no channel): build none
+        if not kv.events.wanted:
             return result
         kv.events.push(
             RequestDone(
@@ -1180,6 +1182,8 @@ class TenantSchedulingMixin(_SchedulerBase):
         request: Request | None = None,
     ) -> None:
         assert holder.tenant_id is not None and holder.tier is not None
+        if not self.kvlease.events.wanted:
+            return
         request_id, api_server = (
             (None, 0) if request is None else (request.request_id, request.client_index)
         )
@@ -1227,7 +1231,7 @@ class TenantSchedulingMixin(_SchedulerBase):
             if label is None:
                 label = labels[holder] = kv.label(holder.tenant_id)
             kv.accounting.count_eviction(label, holder.tier, leased, n, by_tier)
-            if kv.events.capacity:  # else nothing reads events (no channel): build none
+            if kv.events.wanted:
                 kv.events.push(
                     Eviction(
                         at=now,
