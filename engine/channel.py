@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvlease.engine.events import Message, decode, encode
+from kvlease.engine.events import EVENT_CAPACITY, Message, decode, encode
 
 ADDRESS_ENV = "KVLEASE_CHANNEL"
 SEND_QUEUE = 10_000  # messages queued in ZeroMQ before sends report "full"
@@ -68,7 +68,7 @@ class Publisher:
     non-blocking send per API process that keeps up; O(backlog) for one that does not.
     """
 
-    def __init__(self, addresses: list[str], capacity: int = 65536) -> None:
+    def __init__(self, addresses: list[str], capacity: int = EVENT_CAPACITY) -> None:
         self.capacity = capacity
         self._sockets = []
         for address in addresses:
@@ -109,7 +109,7 @@ class Publisher:
             socket.close()
 
     @classmethod
-    def from_env(cls, api_servers: int = 1, capacity: int = 65536) -> Publisher | None:
+    def from_env(cls, api_servers: int = 1, capacity: int = EVENT_CAPACITY) -> Publisher | None:
         if not configured():
             return None
         base = os.environ[ADDRESS_ENV]

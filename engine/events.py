@@ -21,6 +21,10 @@ import msgspec
 # A preemption or eviction no allocation caused (a prefix-cache reset), as `by_tier`.
 NO_CAUSE = "none"
 
+# Events a scheduler keeps for kvlease's API process between two steps' sends (and for a
+# send backlog), unless its `event_capacity` setting says otherwise.
+EVENT_CAPACITY = 65536
+
 
 class Preemption(msgspec.Struct, frozen=True, tag=True, kw_only=True):
     at: float  # the machine's monotonic clock, shared by every process
@@ -207,7 +211,7 @@ class EventBuffer:
     O(1) per event.
     """
 
-    def __init__(self, capacity: int = 65536) -> None:
+    def __init__(self, capacity: int = EVENT_CAPACITY) -> None:
         if capacity < 0:
             raise ValueError("event buffer capacity must be 0 or more")
         self.capacity = capacity

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvlease.engine.events import EVENT_CAPACITY
 from kvlease.engine.policy import VictimRule
 from kvlease.engine.reservations import ReserveMode, reserve_mode
 from kvlease.engine.tenancy import TIERS_ENV, TierTable
@@ -40,10 +41,6 @@ KEYS = {
 # request may pass fair share's order: the knee of bench/results/seeds.md, where ten traces
 # give the free tier's worst TTFT 1.20x stock PRIORITY's (median) against 1.54x at 0.
 FAIR_SLACK = 3000.0
-
-# Events a scheduler keeps for kvlease's API process between two steps' sends (and for
-# a send backlog), unless `event_capacity` says otherwise.
-EVENT_CAPACITY = 65536
 
 
 class SettingsError(ValueError):

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlease.demo.workload import Turn
-from kvlease.engine.events import RequestDone, Retention
+from kvlease.engine.events import EVENT_CAPACITY, RequestDone, Retention
 from kvlease.engine.policy import blocks_for
-from kvlease.engine.settings import EVENT_CAPACITY
 from kvlease.engine.tenancy import TierTable
 from kvlease.replay.clock import StepCost, tick_seconds
 from kvlease.replay.sessions import Arrival, StepTrace

@@ -92,7 +92,7 @@ def stock_engine(demo_model):
 def kvlease_engine(demo_model):
     from engines import recording, start_engine
 
-    from kvlease.engine.settings import EVENT_CAPACITY
+    from kvlease.engine.events import EVENT_CAPACITY
     from kvlease.engine.vllm_scheduler import TenantAwareScheduler
 
     return start_engine(

@@ -13,9 +13,8 @@ from clocks import ManualClock, OffsetClock
 from engines import recording
 from vllm.v1.request import RequestStatus
 
-from kvlease.engine.events import TenantHolding
+from kvlease.engine.events import EVENT_CAPACITY, TenantHolding
 from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST
-from kvlease.engine.settings import EVENT_CAPACITY
 from kvlease.engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
 from kvlease.replay.synthetic import BLOCK, make_request, make_scheduler, step
 

@@ -1,9 +1,9 @@
 import pytest
 
 from kvlease.engine.accounting import AccountingError, TenantAccounting
-from kvlease.engine.events import TenantHolding
+from kvlease.engine.events import EVENT_CAPACITY, TenantHolding
 from kvlease.engine.policy import VictimRule
-from kvlease.engine.settings import EVENT_CAPACITY, FAIR_SLACK, SchedulerSettings, SettingsError
+from kvlease.engine.settings import FAIR_SLACK, SchedulerSettings, SettingsError
 
 
 def test_defaults():
