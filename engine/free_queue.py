@@ -151,10 +151,14 @@ class TenantFreeBlockQueue:
         self._free = 0  # every free block
         self.num_free_blocks = 0  # those the current allocation may take (vLLM reads this)
         self.owner: Holder | None = None  # who is freeing blocks right now (set by the scheduler)
+        # The request allocating right now, where the scheduler knows it (its id); None:
+        # the step's output will say who got each block.
+        self.taker: str | None = None
         self.reserve_from = nseg  # segments from here on are hidden (`reserve`)
-        # Evictions not yet reported, in order: (holder, leased, block id). The block id
-        # lets the scheduler name the request the block went to (its step's output).
-        self.evictions: list[tuple[Holder, bool, int]] = []
+        # Evictions not yet reported, in order: (holder, leased, block id, taker). Without a
+        # taker, the block id lets the scheduler name the request the block went to (its
+        # step's output).
+        self.evictions: list[tuple[Holder, bool, int, str | None]] = []
         for block in blocks:
             self._insert_before(self._seps[CACHED], block, EMPTY, None)
 
@@ -305,8 +309,9 @@ class TenantFreeBlockQueue:
             while self._count[seg] > cap:
                 self._demote_oldest(seg)
 
-    def take_evictions(self) -> list[tuple[Holder, bool, int]]:
-        """Evictions since the last call, in order: (holder, whether leased, block id)."""
+    def take_evictions(self) -> list[tuple[Holder, bool, int, str | None]]:
+        """Evictions since the last call, in order: (holder, whether leased, block id, the
+        request that took it if known)."""
         evictions, self.evictions = self.evictions, []
         return evictions
 
@@ -439,7 +444,7 @@ class TenantFreeBlockQueue:
         else:
             owner.cached -= 1
         if evicting and block.block_hash is not None:
-            self.evictions.append((owner, leased, i))
+            self.evictions.append((owner, leased, i, self.taker))
             if leased:
                 owner.evicted_leased += 1
             else:

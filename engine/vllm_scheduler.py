@@ -590,8 +590,8 @@ class TenantSchedulingMixin(_SchedulerBase):
             self._charge_running()
         if kv.awaiting_hit:
             self._note_lease_hits()
-        self._report_evictions(output=output)
-        kv.cause = None  # no request outlives its step here
+        self._report_evictions(output)
+        kv.cause = kv.free_queue.taker = None  # no request outlives its step here
         return output
 
     def _charge_running(self, ahead: int = 0) -> None:
@@ -704,8 +704,9 @@ class TenantSchedulingMixin(_SchedulerBase):
         **kwargs: Any,
     ):
         """vLLM's `allocate_slots` in a step that may run short, noting whose allocation
-        evicts (a preemption later in the step may free a block and hand it on, so the
-        step's output would not say who took it from the cache). A running request whose
+        evicts: the free queue logs each evicted block with it (a preemption later in the
+        step may free a block and hand it on, so the step's output would not say who took
+        it from the cache; the log is reported at the end of the step). A running request whose
         next tokens fit in blocks nobody reserves goes to vLLM's call from this one frame:
         there a reservation changes nothing and the allocation cannot fail. vLLM makes that
         call (tokens, lookahead) for every running request every step: it is forwarded
@@ -713,6 +714,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         kv = self.kvlease
         kv.cause = request
         queue = kv.free_queue
+        queue.taker = request.request_id
         unit = kv.block_unit  # the most new blocks these tokens can take (0: no cheap bound)
         most = (num_new_tokens + num_lookahead_tokens) // unit + 1 if unit else 1 << 62
         running = request.status is RUNNING
@@ -721,8 +723,6 @@ class TenantSchedulingMixin(_SchedulerBase):
         else:
             kwargs["num_lookahead_tokens"] = num_lookahead_tokens
             blocks = self._allocate_leasing(request, running, most, (num_new_tokens, *args), kwargs)
-        if queue.evictions:
-            self._report_evictions(request)
         return blocks
 
     def _allocate_leasing(
@@ -1205,21 +1205,22 @@ class TenantSchedulingMixin(_SchedulerBase):
         if not (busy or holder.cached or holder.leased):
             self.kvlease.holders.pop(session, None)
 
-    def _report_evictions(
-        self, cause: Request | None = None, output: SchedulerOutput | None = None
-    ) -> None:
-        """Evictions since the last report, each attributed to the allocation that took its
-        block: `cause`'s (called right after it allocated) or, at the end of a step, the
-        request `output` hands the block to as a new block (in a step that cannot run
-        short, the only ones that evict unreported). NO_CAUSE when neither names one."""
+    def _report_evictions(self, output: SchedulerOutput) -> None:
+        """The step's evictions, each attributed to the allocation that took its block: the
+        one the free queue logged with it (kvlease's wrapper allocating), else the request
+        `output` hands the block to as a new block (a step that cannot run short, where
+        vLLM allocates alone). NO_CAUSE when neither names one. O(evictions + new blocks)."""
         kv = self.kvlease
         evictions = kv.free_queue.take_evictions()
         if not evictions:
             return
-        takers = _block_takers(output) if cause is None and output is not None else {}
+        takers: dict[int, str] | None = None  # from the output, looked up once if needed
         blocks: dict[tuple[Holder, bool, str | None], int] = {}
-        for holder, leased, block_id in evictions:
-            taker = cause.request_id if cause is not None else takers.get(block_id)
+        for holder, leased, block_id, taker in evictions:
+            if taker is None:
+                if takers is None:
+                    takers = _block_takers(output)
+                taker = takers.get(block_id)
             key = (holder, leased, taker)
             blocks[key] = blocks.get(key, 0) + 1
         now = kv.clock()

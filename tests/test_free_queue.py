@@ -90,7 +90,7 @@ def test_leased_prefixes_are_evicted_only_after_every_unleased_block():
     assert order[-8:-4] == [4, 5, 6, 7]  # after the empty blocks, before the lease
     assert (premium.evicted_leased, free_tier.evicted_cached) == (4, 4)
     evictions = queue.take_evictions()  # in eviction order, each with its block's id
-    assert [(h.tenant_id, leased, i) for h, leased, i in evictions] == [
+    assert [(h.tenant_id, leased, i) for h, leased, i, _ in evictions] == [
         ("bob", False, i) for i in (4, 5, 6, 7)
     ] + [("acme", True, i) for i in (0, 1, 2, 3)]
     assert queue.take_evictions() == []

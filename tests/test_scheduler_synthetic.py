@@ -846,6 +846,25 @@ def test_every_preemption_and_eviction_names_the_allocation_that_caused_it(demo_
     assert all(e.by_tier in (*TIERS, "none") for e in evicted)
 
 
+def test_under_pressure_an_eviction_names_the_allocation_the_free_queue_logged_it_with(
+    demo_model,
+):
+    """In a step that may run short kvlease's wrapper allocates, and the free queue logs
+    each block it evicts with the request allocating (its output could name another, if
+    that request were preempted later in the step and its block handed on)."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)  # 24 blocks: every step may run short
+    for _ in range(2):  # one tenant's prefixes: 2 x 8 of 23 blocks
+        scheduler.add_request(make_request("old", "free", 8 * BLOCK, 1))
+        _run(scheduler)
+    scheduler.kvlease.events.drain()
+    scheduler.add_request(make_request("new", "standard", 10 * BLOCK, 1))
+    step(scheduler)
+    assert scheduler.kv_cache_manager.allocate_slots == scheduler.kvlease.wrapped_allocate
+    evicted = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Eviction"]
+    assert {(e.tenant_id, e.by_tier, e.by_tenant) for e in evicted} == {("old", "standard", "new")}
+    assert sum(e.blocks for e in evicted) == 3  # its 10 blocks: the 7 empty, then 3 cached
+
+
 def test_an_eviction_without_pressure_names_the_request_its_block_went_to(demo_model):
     """In a step that cannot run short vLLM allocates through its own method (no
     wrapper); each cached block it evicts is still charged to the request that took it
