@@ -10,12 +10,13 @@ ZeroMQ PUSH/PULL sockets over ipc (pyzmq is already a vLLM dependency):
   engine starts, so every EngineCore and API process inherits it.
 - Each scheduler (one per data-parallel rank) connects one PUSH socket to every API
   process and sends each `kvlease.engine.events.Message` (msgspec JSON, tagged with its rank)
-  to all of them: its events, and every `sample_seconds` an `EngineState` snapshot
-  with cumulative totals. So every API process holds the picture of every rank; the
-  events of a request also name the API process that owns it (`api_server`), and only
-  that one joins them into the request's usage record.
+  to all of them: every `sample_seconds` while busy, and when it goes idle, an
+  `EngineState` snapshot with cumulative totals and the events since the last message.
+  So every API process holds the picture of every rank; the events of a request also
+  name the API process that owns it (`api_server`), and only that one joins them into
+  the request's usage record.
 - Sends never block the engine loop: what a full socket refuses waits in a bounded
-  per-socket backlog and goes with the next step; only that backlog can overflow
+  per-socket backlog and goes before the next message; only that backlog can overflow
   (its events counted as dropped, visible in every snapshot).
 
 Why not the alternatives: prometheus_client's multiprocess mode carries
@@ -98,11 +99,6 @@ class Publisher:
                 lost += backlog.popleft()[1]
             dropped = max(dropped, lost)
         return dropped
-
-    @property
-    def backlogged(self) -> bool:
-        """An API process has messages waiting, for the next step to send."""
-        return any(self._backlogs)
 
     def close(self) -> None:
         for socket in self._sockets:

@@ -181,8 +181,9 @@ class EngineState(msgspec.Struct):
 
 
 class Message(msgspec.Struct):
-    """One channel message from one engine: a step's events, and every `sample_seconds`
-    a snapshot. `engine` is the data-parallel rank of the scheduler that sent it."""
+    """One channel message from one engine: its state as of its latest sample (every
+    `sample_seconds` while busy, and at idle) and the events since its last message.
+    `engine` is the data-parallel rank of the scheduler that sent it."""
 
     events: list[Event] = []
     state: EngineState | None = None

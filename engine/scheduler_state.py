@@ -61,6 +61,9 @@ class KvleaseState:
       a sample.
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`; none kept where nothing reads them).
+    - `sample_unsent`: a sample was taken (`last_sample`) that the channel has not sent;
+      the end of the step sends it with the events since the last message, so a busy
+      engine sends once every `sample_seconds`, not once a step.
     - `cause`: the request whose allocation (or admission) is under way: what a
       preemption or eviction it causes is attributed to; None outside one.
 
@@ -99,6 +102,7 @@ class KvleaseState:
         "reserve_policy",
         "retention",
         "returns",
+        "sample_unsent",
         "seq",
         "settings",
         "shares",
@@ -135,6 +139,7 @@ class KvleaseState:
         self.admissions = itertools.count()
         self.preempt_reason = "kv_pressure"
         self.last_sample = float("-inf")
+        self.sample_unsent = False  # a sample taken since the channel's last message
         self.steps = 0  # schedule() calls: generated tokens are charged every CHARGE_STEPS
         self.bucket = {name: i for i, name in enumerate(tiers)}  # tiers in priority order
         self.shares = {name: FairShare() for name in tiers}

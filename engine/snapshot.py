@@ -37,6 +37,7 @@ def sample(
     held), the one per-block walk, off the step path (every `sample_seconds`)."""
     now = kv.clock()
     kv.last_sample = now
+    kv.sample_unsent = True
     tenants: dict[str, TenantHolding] = {}
     seen: set[int] = set()
     request_blocks: dict[str, int] = {}

@@ -343,7 +343,7 @@ class TenantSchedulingMixin(_SchedulerBase):
             dict(zip(kv.lease_index, kv.caps, strict=True)),
         )
         if kv.publisher is not None:
-            self._publish(with_state=True)  # so /admin/state answers before the first step
+            self._publish()  # so /admin/state answers before the first step
 
     def _check_pool(self, usable: int, request_blocks: int) -> None:
         """Refuse caps that leave a tenant, or the blocks no lease can hold, less than one
@@ -649,34 +649,36 @@ class TenantSchedulingMixin(_SchedulerBase):
         self._keep_running_list()
         # Sample on the clock, and whenever the engine goes idle: no step follows
         # to report the final picture.
-        sample_due = (
-            kv.clock() - kv.last_sample >= kv.settings.sample_seconds or not self.has_requests()
-        )
-        if kv.settings.debug_accounting or sample_due:
+        if (
+            kv.settings.debug_accounting
+            or kv.clock() - kv.last_sample >= kv.settings.sample_seconds
+            or not self.has_requests()
+        ):
             self.sample_accounting()
-        if kv.publisher is not None:
-            self._publish(with_state=sample_due)
+        if kv.publisher is not None and kv.sample_unsent:
+            self._publish()
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):
-        """Aborts arrive here, between steps; report them even if no step follows."""
+        """Aborts arrive here, between steps; report them now if no step follows."""
         finished = super().finish_requests(*args, **kwargs)
         self._keep_running_list()
-        if self.kvlease.publisher is not None and finished:
-            self._publish(with_state=not self.has_requests(), fresh=True)
+        if self.kvlease.publisher is not None and finished and not self.has_requests():
+            self._publish(fresh=True)
         return finished
 
-    def _publish(self, with_state: bool, fresh: bool = False) -> None:
-        """Send this step's events (and a snapshot when due) to the API processes.
+    def _publish(self, fresh: bool = False) -> None:
+        """Send the events since the last message, and the state as of the latest sample,
+        to the API processes: once a sample (every `sample_seconds`, and at idle), not once
+        a step. Every send wakes the API process's receiver, and a step's few events are
+        no more use to it a step early: the state they go with is what /admin/state and
+        the gauges show, and a usage record waits for the request's stats anyway.
 
-        `fresh` samples the accounting for the snapshot; update_from_output has
-        just sampled, an abort between steps has not.
+        `fresh` samples first: an abort between steps has no sample of its own.
         """
         kv = self.kvlease
-        events = kv.events.drain()
-        if not (events or with_state or kv.publisher.backlogged):
-            return
-        message = Message(events, self.state(sample=fresh) if with_state else None, kv.rank)
+        message = Message(kv.events.drain(), self.state(sample=fresh), kv.rank)
+        kv.sample_unsent = False
         kv.events.dropped += kv.publisher.publish(message)
 
     # -- allocation: lease reservations and the victim -------------------------

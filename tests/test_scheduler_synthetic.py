@@ -6,13 +6,16 @@ Real vLLM scheduling code, no model: every invariant is checked at every step.
 from __future__ import annotations
 
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 from clocks import ManualClock, OffsetClock
 from engines import recording
 from vllm.v1.request import RequestStatus
+from waiting import until
 
+from kvlease.engine.channel import ADDRESS_ENV, Receiver, new_address
 from kvlease.engine.events import EVENT_CAPACITY, TenantHolding
 from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST
 from kvlease.engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
@@ -167,6 +170,41 @@ def test_without_a_channel_or_a_reader_no_event_is_kept_and_counters_stay_exact(
     assert (len(scheduler.kvlease.events), scheduler.kvlease.events.dropped) == (0, 0)
     assert scheduler.preemptions  # events there were
     assert sum(scheduler.kvlease.accounting.preemptions.values()) == len(scheduler.preemptions)
+
+
+def test_under_load_the_channel_carries_a_snapshot_every_sample_with_the_events_since(
+    demo_model, monkeypatch
+):
+    """Real ZeroMQ sockets, the scheduler's own publisher. While the engine stays busy the
+    API process gets a state every `sample_seconds` of the scheduler's clock (not only when
+    it goes idle), each with the events since the one before; every event arrives once,
+    and a message goes once a sample, not once a step."""
+    address, got = new_address(), []
+    receiver = Receiver(address, got.append)
+    monkeypatch.setenv(ADDRESS_ENV, address)
+    scheduler = make_scheduler(
+        TenantAwareScheduler, demo_model, 24, kvlease={"sample_seconds": 0.25}
+    )
+    # from the sample sent at start, on a clock the test moves
+    scheduler.kvlease.clock = clock = ManualClock(scheduler.kvlease.last_sample)
+    try:
+        for i in range(12):
+            scheduler.add_request(make_request(f"t{i}", TIERS[i % 3], 40, 200, session=f"s{i}"))
+        steps = 0
+        while scheduler.has_requests():
+            step(scheduler)
+            clock.now += 0.01  # one step: 10 ms
+            steps += 1
+        until(lambda: got and got[-1].state.running == 0, "the idle engine's last message")
+    finally:
+        scheduler.kvlease.publisher.close()
+        receiver.close()
+    busy = [m.state.at for m in got[1:]]  # after the one sent at start
+    assert all(m.state is not None for m in got)
+    assert steps * 0.01 / 0.25 - 1 <= len(busy) <= steps * 0.01 / 0.25 + 2 < steps / 10
+    assert max(b - a for a, b in pairwise(busy)) <= 0.25 + 0.01 + 1e-9
+    done = [e.request_id for m in got for e in m.events if type(e).__name__ == "RequestDone"]
+    assert sorted(done) == sorted(set(done)) and len(done) == 12
 
 
 def test_leases_expire_exactly_and_idle_sessions_are_forgotten(demo_model):
