@@ -10,11 +10,12 @@ ZeroMQ PUSH/PULL sockets over ipc (pyzmq is already a vLLM dependency):
   engine starts, so every EngineCore and API process inherits it.
 - Each scheduler (one per data-parallel rank) connects one PUSH socket to every API
   process and sends each `kvlease.engine.events.Message` (msgspec JSON, tagged with its rank)
-  to all of them: every `sample_seconds` while busy, and when it goes idle, an
-  `EngineState` snapshot with cumulative totals and the events since the last message.
-  So every API process holds the picture of every rank; the events of a request also
-  name the API process that owns it (`api_server`), and only that one joins them into
-  the request's usage record.
+  to all of them: the events since the last message, at the end of each step that
+  finished a request (its usage record waits for them) or took a sample, and with a
+  sample (every `sample_seconds` while busy, and at idle) an `EngineState` snapshot
+  with cumulative totals. So every API process holds the picture of every rank; the
+  events of a request also name the API process that owns it (`api_server`), and only
+  that one joins them into the request's usage record.
 - Sends never block the engine loop: what a full socket refuses waits in a bounded
   per-socket backlog and goes before the next message; only that backlog can overflow
   (its events counted as dropped, visible in every snapshot).

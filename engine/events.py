@@ -181,9 +181,10 @@ class EngineState(msgspec.Struct):
 
 
 class Message(msgspec.Struct):
-    """One channel message from one engine: its state as of its latest sample (every
-    `sample_seconds` while busy, and at idle) and the events since its last message.
-    `engine` is the data-parallel rank of the scheduler that sent it."""
+    """One channel message from one engine: the events since its last message, sent at
+    the end of a step that finished a request or took a sample, and with a sample its
+    state (every `sample_seconds` while busy, and at idle). `engine` is the
+    data-parallel rank of the scheduler that sent it."""
 
     events: list[Event] = []
     state: EngineState | None = None

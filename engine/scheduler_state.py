@@ -62,8 +62,9 @@ class KvleaseState:
     - `accounting` holds cumulative totals, exact whatever happens to `events`
       (bounded; overflow counted in `events.dropped`; none kept where nothing reads them).
     - `sample_unsent`: a sample was taken (`last_sample`) that the channel has not sent;
-      the end of the step sends it with the events since the last message, so a busy
-      engine sends once every `sample_seconds`, not once a step.
+      `done_unsent`: a request finished whose `RequestDone` the channel has not sent. The
+      end of the step sends either with every event since the last message, so a busy
+      engine sends once a sample and once a step that finished a request, not every step.
     - `cause`: the request whose allocation (or admission) is under way: what a
       preemption or eviction it causes is attributed to; None outside one.
 
@@ -83,6 +84,7 @@ class KvleaseState:
         "cost",
         "deferred_owner",
         "delayed",
+        "done_unsent",
         "events",
         "free_queue",
         "holders",
@@ -140,6 +142,7 @@ class KvleaseState:
         self.preempt_reason = "kv_pressure"
         self.last_sample = float("-inf")
         self.sample_unsent = False  # a sample taken since the channel's last message
+        self.done_unsent = False  # a RequestDone pushed since the channel's last message
         self.steps = 0  # schedule() calls: generated tokens are charged every CHARGE_STEPS
         self.bucket = {name: i for i, name in enumerate(tiers)}  # tiers in priority order
         self.shares = {name: FairShare() for name in tiers}

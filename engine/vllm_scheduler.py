@@ -343,7 +343,7 @@ class TenantSchedulingMixin(_SchedulerBase):
             dict(zip(kv.lease_index, kv.caps, strict=True)),
         )
         if kv.publisher is not None:
-            self._publish()  # so /admin/state answers before the first step
+            self._publish(fresh=True)  # so /admin/state answers before the first step
 
     def _check_pool(self, usable: int, request_blocks: int) -> None:
         """Refuse caps that leave a tenant, or the blocks no lease can hold, less than one
@@ -655,30 +655,33 @@ class TenantSchedulingMixin(_SchedulerBase):
             or not self.has_requests()
         ):
             self.sample_accounting()
-        if kv.publisher is not None and kv.sample_unsent:
+        if kv.publisher is not None and (kv.sample_unsent or kv.done_unsent):
             self._publish()
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):
-        """Aborts arrive here, between steps; report them now if no step follows."""
+        """Aborts (and stop strings the API process found) arrive here, between steps:
+        their usage records are waited for, so their events go now."""
         finished = super().finish_requests(*args, **kwargs)
         self._keep_running_list()
-        if self.kvlease.publisher is not None and finished and not self.has_requests():
-            self._publish(fresh=True)
+        if self.kvlease.publisher is not None and finished:
+            self._publish(fresh=not self.has_requests())
         return finished
 
     def _publish(self, fresh: bool = False) -> None:
-        """Send the events since the last message, and the state as of the latest sample,
-        to the API processes: once a sample (every `sample_seconds`, and at idle), not once
-        a step. Every send wakes the API process's receiver, and a step's few events are
-        no more use to it a step early: the state they go with is what /admin/state and
-        the gauges show, and a usage record waits for the request's stats anyway.
+        """Send the events since the last message to the API processes, with the state
+        when a sample has been taken since (`fresh`: take one now).
 
-        `fresh` samples first: an abort between steps has no sample of its own.
+        Called at the end of a step that took a sample (every `sample_seconds`, and at
+        idle) or finished a request, not at every step: each send wakes the API
+        process's receiver, and evictions, preemptions and lease changes are no more use
+        to it a step early. A finished request's `RequestDone` is: its response holds
+        its last byte until its usage record, which needs it, has committed.
         """
         kv = self.kvlease
-        message = Message(kv.events.drain(), self.state(sample=fresh), kv.rank)
-        kv.sample_unsent = False
+        state = self.state(sample=fresh) if fresh or kv.sample_unsent else None
+        message = Message(kv.events.drain(), state, kv.rank)
+        kv.sample_unsent = kv.done_unsent = False
         kv.events.dropped += kv.publisher.publish(message)
 
     # -- allocation: lease reservations and the victim -------------------------
@@ -1045,6 +1048,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         block_seconds = kv.accounting.request_done(request.request_id)
         if not kv.events.wanted:
             return result
+        kv.done_unsent = True
         kv.events.push(
             RequestDone(
                 at=now,
