@@ -21,8 +21,8 @@ import msgspec
 # A preemption or eviction no allocation caused (a prefix-cache reset), as `by_tier`.
 NO_CAUSE = "none"
 
-# Events a scheduler keeps for kvlease's API process between two steps' sends (and for a
-# send backlog), unless its `event_capacity` setting says otherwise.
+# Events a scheduler keeps for kvlease's API process between two sends (and for a send
+# backlog), unless its `event_capacity` setting says otherwise.
 EVENT_CAPACITY = 65536
 
 
