@@ -129,7 +129,8 @@ DROPPED_HEADERS = frozenset({b"x-request-id", b"x-vllm-priority", RANK_HEADER})
 SESSION_HEADER = b"x-session-id"
 STATE_KEY = "kvlease_tenant"  # request.state.kvlease_tenant: the verified TenantContext
 # Set when the server begins its SIGTERM drain (`kvlease serve` sets it, kvlease.server.serve):
-# requests arriving then get 503 instead of reaching a half-stopped vLLM.
+# requests arriving then get 503 instead of reaching a half-stopped vLLM, and so does one
+# the drain overtakes inside vLLM before its response began (`TenantMiddleware._forward`).
 DRAINING = threading.Event()
 
 
@@ -219,6 +220,16 @@ async def send_error(send: Send, status: int, message: str, code: str, headers=(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+async def _shutting_down(send: Send) -> None:
+    await send_error(
+        send,
+        503,
+        "the server is shutting down; retry on another replica",
+        "shutting_down",
+        [(b"retry-after", b"5"), (b"connection", b"close")],
+    )
 
 
 def _is_metrics(path: str) -> bool:
@@ -357,13 +368,7 @@ class TenantMiddleware:
             await self.app(scope, receive, send)
             return
         if DRAINING.is_set() and route == "tenant":
-            await send_error(
-                send,
-                503,
-                "the server is shutting down; retry on another replica",
-                "shutting_down",
-                [(b"retry-after", b"5"), (b"connection", b"close")],
-            )
+            await _shutting_down(send)
             return
         ctx = await self._verify(scope, send, route)
         if ctx is None:
@@ -504,6 +509,13 @@ class TenantMiddleware:
         join.in_flight[request_id] = entry
         try:
             await self.app(scope, receive, response.send)
+        except Exception as exc:
+            # The drain began while the request was on its way in: vLLM's renderer refuses
+            # it ("cannot schedule new futures after shutdown"), a 500 unless answered here.
+            if not DRAINING.is_set() or response.started:
+                raise
+            logger.info("request %s overtaken by the drain (%s): answered 503", request_id, exc)
+            await _shutting_down(send)
         finally:
             if hold is not None and TELEMETRY.budgets is not None:
                 TELEMETRY.budgets.release(hold)
@@ -666,8 +678,9 @@ class TenantMiddleware:
 
 class _Response:
     """One tenant response on its way out: the request id on it, vLLM's 501 (an API the
-    served model does not have) turned into a 404, and the last body chunk held until the
-    usage record has committed (`record`), within a bound."""
+    served model does not have) turned into a 404 and its 500 during the drain into the
+    drain's 503, and the last body chunk held until the usage record has committed
+    (`record`), within a bound."""
 
     def __init__(
         self,
@@ -682,13 +695,15 @@ class _Response:
         self._send, self.path, self.request_id, self.record = send, path, request_id, record
         self.headers = [(b"x-request-id", request_id.encode()), *headers]
         self.entry, self.engine = entry, engine
-        self.unsupported = False
+        self.replaced = False  # answered with kvlease's own error; vLLM's body is dropped
         self.streaming = False  # a server-sent event stream
         self.hold = False
+        self.started = False  # the response's start went out
         self.ended = False  # the last body chunk went out
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
+            self.started = True
             self.hold = self.record is not None and message["status"] == 200
             self.streaming = any(
                 k.lower() == b"content-type" and v.startswith(b"text/event-stream")
@@ -697,12 +712,16 @@ class _Response:
             if 400 <= message["status"] < 500 and self.engine and TELEMETRY.metrics:
                 TELEMETRY.metrics.request_refused(self.entry.ctx.tenant_id)
             if message["status"] == 501:
-                self.unsupported = True
+                self.replaced = True
                 msg = f"{self.path} is not supported by the served model"
                 await send_error(self._send, 404, msg, "not_supported", self.headers)
                 return
+            if message["status"] == 500 and DRAINING.is_set():  # vLLM's answer to the drain
+                self.replaced = True
+                await _shutting_down(self._send)
+                return
             message["headers"] = [*message.get("headers", []), *self.headers]
-        elif self.unsupported:
+        elif self.replaced:
             return
         else:  # a body chunk
             if self.streaming:

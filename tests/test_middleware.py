@@ -576,6 +576,51 @@ def test_requests_during_the_drain_get_503_and_public_routes_still_answer(app, h
         DRAINING.clear()
 
 
+class _Overtaken:
+    """vLLM's app when the drain begins while a request is on its way in: the signal
+    handler runs (DRAINING set) and the renderer refuses the request, with an exception
+    (the completions route) or an error response of vLLM's own."""
+
+    def __init__(self, raises: bool):
+        self.raises = raises
+
+    async def __call__(self, scope, receive, send):
+        from kvlease.server.middleware import DRAINING
+
+        DRAINING.set()
+        if self.raises:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        await send({"type": "http.response.body", "body": b'{"error": "shutdown"}'})
+
+
+@pytest.mark.parametrize("raises", [True, False], ids=["exception", "error-response"])
+def test_a_request_the_drain_overtakes_inside_vllm_gets_503_not_500(config, hs_ring, tiers, raises):
+    from kvlease.server.middleware import DRAINING
+
+    app = TenantMiddleware(_Overtaken(raises), config)
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    try:
+        status, headers, out = call(
+            app, "/v1/completions", body=body, headers=[bearer(hs_ring, tiers), JSON]
+        )
+    finally:
+        DRAINING.clear()
+    assert status == 503 and json.loads(out)["error"]["code"] == "shutting_down"
+    assert headers[b"retry-after"] == b"5"
+
+
+def test_an_error_inside_vllm_while_not_draining_is_not_disguised(config, hs_ring, tiers):
+    class Failing:
+        async def __call__(self, scope, receive, send):
+            raise RuntimeError("a real fault")
+
+    app = TenantMiddleware(Failing(), config)
+    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    with pytest.raises(RuntimeError, match="a real fault"):  # Starlette answers it with 500
+        call(app, "/v1/completions", body=body, headers=[bearer(hs_ring, tiers), JSON])
+
+
 def test_streamed_output_is_counted_from_events_that_carry_text():
     from kvlease.server.middleware import streamed_tokens
 
