@@ -132,6 +132,14 @@ def browser():
         chromium.close()
 
 
+def _page(browser, **options):
+    """A page whose every wait (a click's, a download's) has the hang deadline, not
+    Playwright's 30 s: a Streamlit rerun before a download can take longer on busy cores."""
+    page = browser.new_page(**options)
+    page.set_default_timeout(HANG_MS)
+    return page
+
+
 # Points above zero in each plotly chart, from the traces plotly.js decoded (_fullData).
 PLOTTED_POINTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(
     el => (el._fullData || []).reduce(
@@ -153,7 +161,7 @@ def _screenshot(page, path: Path, charts: int) -> None:
 
 def test_browser_sees_tenants_and_a_live_chart(traffic, dashboard, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page = browser.new_page(viewport={"width": 1440, "height": 2300})
+    page = _page(browser, viewport={"width": 1440, "height": 2300})
     page.goto(f"{dashboard}/?page=live", wait_until="domcontentloaded")
     # Each tenant shows up once it has held blocks in the window: on two busy cores a free
     # tenant's first request may still be waiting when premium's is drawn.
@@ -201,7 +209,7 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     # The ledger must hold still to be compared: halt() joins every client, and each
     # request's record is committed before its response's last byte.
     traffic.halt()
-    page = browser.new_page(viewport={"width": 1440, "height": 1500}, accept_downloads=True)
+    page = _page(browser, viewport={"width": 1440, "height": 1500}, accept_downloads=True)
     page.goto(f"{dashboard}/?page=usage", wait_until="domcontentloaded")
     button = page.get_by_role("button", name="Download FOCUS CSV")
     button.wait_for(timeout=HANG_MS)
