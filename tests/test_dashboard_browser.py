@@ -167,7 +167,7 @@ def test_browser_sees_tenants_and_a_live_chart(traffic, dashboard, browser):
     # tenant's first request may still be waiting when premium's is drawn.
     for tenant, _ in TENANTS[:4]:
         legend = page.locator(".js-plotly-plot .legendtext", has_text=tenant)
-        legend.first.wait_for(timeout=HANG_MS)
+        legend.first.wait_for()
     assert max(page.evaluate(PLOTTED_POINTS)) > 0  # the area chart has data, not a placeholder
     # The health strip leads: alerts (from the Prometheus the dashboard was given) and the
     # pool as held, then the event timeline with its filters.
@@ -183,7 +183,6 @@ def test_browser_sees_tenants_and_a_live_chart(traffic, dashboard, browser):
         "s => Array.from(document.querySelectorAll('p')).some("
         "p => p.innerText.startsWith('Updated ') && p.innerText !== s)",
         arg=stamp,
-        timeout=HANG_MS,
     )
     assert page.evaluate("() => window.kvleaseMarker") == 1
     _screenshot(page, ARTIFACTS / "dashboard-live.png", charts=4)
@@ -212,8 +211,8 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     page = _page(browser, viewport={"width": 1440, "height": 1500}, accept_downloads=True)
     page.goto(f"{dashboard}/?page=usage", wait_until="domcontentloaded")
     button = page.get_by_role("button", name="Download FOCUS CSV")
-    button.wait_for(timeout=HANG_MS)
-    page.locator(".js-plotly-plot .xtick", has_text="premium-a").first.wait_for(timeout=HANG_MS)
+    button.wait_for()
+    page.locator(".js-plotly-plot .xtick", has_text="premium-a").first.wait_for()
     with page.expect_download() as download:
         button.click()
     got = tmp_path / "page.csv"
@@ -228,16 +227,16 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     page.get_by_role("tab", name="Over time").click()
     # Cost per day, stacked by tier (the Tenants tab's hidden chart has legends too).
     bars = page.locator(".js-plotly-plot .legendtext:visible", has_text="premium")
-    bars.first.wait_for(timeout=HANG_MS)
+    bars.first.wait_for()
     page.get_by_role("tab", name="Statement").click()
-    page.get_by_text("Statement total").first.wait_for(timeout=HANG_MS)
+    page.get_by_text("Statement total").first.wait_for()
     with page.expect_download() as download:
         page.get_by_role("button", name="Printable statement (HTML)").click()
     statement = tmp_path / "statement.html"
     download.value.save_as(statement)
     assert "Usage statement" in statement.read_text() and "Total (USD)" in statement.read_text()
     page.get_by_role("tab", name="Reconciliation").click()
-    page.get_by_text("Ledger totals against the increase").first.wait_for(timeout=HANG_MS)
+    page.get_by_text("Ledger totals against the increase").first.wait_for()
     assert page.locator("[data-testid='stException']").count() == 0
     _screenshot(page, ARTIFACTS / "dashboard-reconciliation.png", charts=2)
     page.close()
