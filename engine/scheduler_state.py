@@ -163,8 +163,9 @@ class KvleaseState:
         # compared by identity
         self.step_blocks = 0  # blocks one step can take beyond one per running request
         # A running request's next tokens take at most tokens // block_unit + 1 new blocks:
-        # the block size on an engine with one KV cache group; 0 where no bound is that cheap
-        # (hybrid models), so every allocation takes the full path.
+        # the block size on an engine with one KV cache group that counts blocks as vLLM's
+        # base manager does; 0 where no bound is that cheap (hybrid models, Mamba), so
+        # every allocation takes the full path (the adapter's `_block_unit`).
         self.block_unit = 0
         self.cost = CostModel()
         self.rank = 0  # this engine's data-parallel rank

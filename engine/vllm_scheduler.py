@@ -53,6 +53,7 @@ from vllm.v1.core.sched.request_queue import (  # noqa: E402
     create_request_queue,
 )
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvlease.engine import channel, processes, snapshot  # noqa: E402
@@ -132,13 +133,19 @@ VLLM_SURFACE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("scheduler", "deferred_frees", (), "replaced by _DeferredFrees; see the behaviour below"),
     ("scheduler", "requests", (), "request id -> Request"),
     ("scheduler", "policy", (), "SchedulingPolicy: FCFS victims are kvlease's to place"),
-    ("scheduler", "kv_cache_config", (), "kv_cache_groups: one group allows the cheap bound"),
     ("scheduler", "max_num_scheduled_tokens", (), "a step's token budget, in blocks"),
     ("scheduler", "num_lookahead_tokens", (), "blocks a waiting head needs"),
     ("scheduler", "max_num_active_reqs", (), "a slot-short step admits nobody"),
     ("scheduler", "requires_kv_delivery", (), "passed on as drop_stale_output"),
     ("kv_cache_manager", "block_pool", (), "its free_block_queue is replaced"),
-    ("kv_cache_manager", "coordinator", (), "coordinator.get_blocks(request id): blocks held"),
+    ("kv_cache_manager", "coordinator", (), "coordinator.get_blocks(request id): blocks held; "
+     "single_type_managers: one manager of the base kind allows the cheap bound"),
+    ("SingleTypeKVCacheManager", "get_num_blocks_to_allocate", ("request_id", "num_tokens"),
+     "the base count, cdiv(tokens, block_size) less those held, is the cheap bound's"),
+    ("SingleTypeKVCacheManager", "allocate_new_blocks", ("request_id", "num_tokens"),
+     "the same"),
+    ("SingleTypeKVCacheManager.get_num_blocks_to_allocate", "behaviour",
+     ("cdiv(num_tokens, self.block_size)",), "the cheap bound is this count's"),
     ("kv_cache_manager", "watermark_blocks", (), "part of a step's worst case"),
     ("block_pool", "free_block_queue", (), "replaced by TenantFreeBlockQueue"),
     ("block_pool", "blocks", (), "the pool's size, for the replacement queue"),
@@ -322,8 +329,7 @@ class TenantSchedulingMixin(_SchedulerBase):
             + self.kv_cache_manager.watermark_blocks
             + request_blocks
         )
-        if len(self.kv_cache_config.kv_cache_groups) == 1:
-            kv.block_unit = self.block_size
+        kv.block_unit = _block_unit(self.kv_cache_manager.coordinator.single_type_managers)
         self.deferred_frees = _DeferredFrees(self._deferred_popped)
         kv.cost = _cost_model(self.vllm_config, settings)
         parallel = self.vllm_config.parallel_config
@@ -1311,6 +1317,21 @@ def _block_takers(output: SchedulerOutput) -> dict[int, str]:
             for block_id in group:
                 takers[block_id] = req_id
     return takers
+
+
+def _block_unit(managers: tuple[Any, ...]) -> int:
+    """The block size where a running request's next n tokens take at most n // size + 1
+    new blocks: one KV cache group, whose manager counts and allocates blocks as vLLM's base
+    manager does (`cdiv(tokens, block_size)` less those held: full attention, sliding
+    window, chunked local). 0 elsewhere (hybrid models, Mamba's state blocks, ring
+    buffers): every allocation then takes the full path."""
+    if len(managers) != 1:
+        return 0
+    kind, base = type(managers[0]), SingleTypeKVCacheManager
+    for method in ("get_num_blocks_to_allocate", "allocate_new_blocks"):
+        if getattr(kind, method) is not getattr(base, method):
+            return 0
+    return managers[0].block_size
 
 
 def _cost_model(vllm_config: Any, settings: SchedulerSettings) -> CostModel:

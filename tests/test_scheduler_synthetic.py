@@ -932,3 +932,35 @@ def test_an_eviction_without_pressure_names_the_request_its_block_went_to(demo_m
     assert {(e.tenant_id, e.by_tier, e.by_tenant) for e in evicted} == {("old", "standard", "new")}
     counted = {k: n for k, n in scheduler.kvlease.accounting.evicted_blocks.items() if n}
     assert {k[-1] for k in counted} == {"standard"}
+
+
+def test_the_cheap_allocation_bound_is_used_only_where_vllm_counts_blocks_per_token():
+    """A running request's next n tokens take at most n // block_size + 1 new blocks, so
+    the allocation wrapper may skip its reservation path when more are free. That holds
+    for vLLM's base block count (one group of full attention, as the demo model's, or of
+    sliding window), not for Mamba's state blocks, a ring buffer or several groups: there
+    every allocation takes the full path."""
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        CircularBufferManager,
+        FullAttentionManager,
+        MambaManager,
+        SlidingWindowManager,
+    )
+
+    from kvlease.engine.vllm_scheduler import _block_unit
+
+    def manager(kind):
+        built = object.__new__(kind)  # only its kind and block size are read
+        built.block_size = 64
+        return built
+
+    assert _block_unit((manager(FullAttentionManager),)) == 64
+    assert _block_unit((manager(SlidingWindowManager),)) == 64
+    assert _block_unit((manager(MambaManager),)) == 0
+    assert _block_unit((manager(CircularBufferManager),)) == 0
+    assert _block_unit((manager(FullAttentionManager), manager(MambaManager))) == 0
+
+
+def test_the_demo_models_scheduler_takes_the_cheap_allocation_bound(demo_model):
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    assert scheduler.kvlease.block_unit == BLOCK

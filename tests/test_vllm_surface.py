@@ -15,6 +15,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.core.sched import request_queue
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 from kvlease.engine.vllm_scheduler import VLLM_SURFACE
 from kvlease.replay.synthetic import make_scheduler
@@ -28,6 +29,7 @@ CLASSES = {
     "SchedulerOutput": SchedulerOutput,
     "NewRequestData": NewRequestData,
     "CachedRequestData": CachedRequestData,
+    "SingleTypeKVCacheManager": SingleTypeKVCacheManager,
 }
 
 
