@@ -50,7 +50,8 @@ class RetentionMeter:
 
     Invariant: a holder has an episode only while its lease runs and no request of its
     session is in flight; every episode that closes with block-seconds yields exactly one
-    event, so the ledger's retention records and `totals` add up to the same figures."""
+    event where events are wanted, so the ledger's retention records and `totals` add up
+    to the same figures."""
 
     def __init__(self, model: str) -> None:
         self.model = model  # the served model name, for the records
@@ -80,11 +81,15 @@ class RetentionMeter:
         for holder in self.episodes:
             self.integrate(holder, now, label_of(holder.tenant_id))
 
-    def close(self, holder: Holder, now: float, label: str) -> Retention | None:
-        """End the holder's episode at `now`: its record, or None if it held nothing."""
+    def close(self, holder: Holder, now: float, label: str, record: bool) -> Retention | None:
+        """End the holder's episode at `now`: its record, or None if it held nothing or no
+        record is wanted (`record`: nothing reads the events; `totals` count it all the
+        same)."""
         self.integrate(holder, now, label)
         episode = self.episodes.pop(holder, None)
-        if episode is None or not (episode.reserved_seconds or episode.retained_seconds):
+        if not record or episode is None:
+            return None
+        if not (episode.reserved_seconds or episode.retained_seconds):
             return None
         assert holder.tenant_id is not None and holder.tier is not None
         return Retention(

@@ -1180,7 +1180,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         """End the holder's time between turns (at `at`, else now) and report it."""
         kv = self.kvlease
         event = kv.retention.close(
-            holder, kv.clock() if at is None else at, kv.label(holder.tenant_id)
+            holder, kv.clock() if at is None else at, kv.label(holder.tenant_id), kv.events.wanted
         )
         if event is not None:
             kv.events.push(event)

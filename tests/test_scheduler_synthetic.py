@@ -719,11 +719,15 @@ def _retentions(scheduler) -> list:
     return [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Retention"]
 
 
-def test_the_time_between_turns_is_metered_as_reserved_then_retained_block_seconds(demo_model):
+@pytest.mark.parametrize("events", [EVENT_CAPACITY, 0])
+def test_the_time_between_turns_is_metered_as_reserved_then_retained_block_seconds(
+    demo_model, events
+):
     """4 blocks reserved for the 60 s window, then retained for the rest of the 300 s
     lease: one record of 240 reserved and 960 retained block-seconds, from the turn's
-    request, when the lease ends; the totals for the metrics say the same."""
-    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    request, when the lease ends; the totals for the metrics say the same. With nothing
+    reading events (no channel) no record is built, and the totals are the same."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, event_capacity=events)
     scheduler.kvlease.clock = clock = ManualClock()
     chat = _conversation(140, seed=3)
     turn = make_request("pam", "premium", 0, 2, session="c", prompt=chat)
@@ -732,13 +736,15 @@ def test_the_time_between_turns_is_metered_as_reserved_then_retained_block_secon
     for at in (30.0, 61.0, 200.0, 301.0):
         clock.now = ended + at
         _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
-    (record,) = _retentions(scheduler)
-    assert (record.request_id, record.tenant_id, record.tier, record.session_id) == (
-        turn.request_id, "pam", "premium", "c",
-    )  # fmt: skip
-    assert ended - 1.0 <= record.started <= ended and record.at == record.started + 300.0
-    assert record.reserved_block_seconds == pytest.approx(4 * 60.0)
-    assert record.retained_block_seconds == pytest.approx(4 * 240.0)
+    records = _retentions(scheduler)
+    assert len(records) == (1 if events else 0)
+    for record in records:
+        assert (record.request_id, record.tenant_id, record.tier, record.session_id) == (
+            turn.request_id, "pam", "premium", "c",
+        )  # fmt: skip
+        assert ended - 1.0 <= record.started <= ended and record.at == record.started + 300.0
+        assert record.reserved_block_seconds == pytest.approx(4 * 60.0)
+        assert record.retained_block_seconds == pytest.approx(4 * 240.0)
     totals = {
         (t, tier, state): v
         for t, tier, state, v in scheduler.state().totals.retention_block_seconds
