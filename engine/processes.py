@@ -254,8 +254,7 @@ class _Child:
         at most for the killed to be gone: a process takes a moment to die of SIGKILL
         (an engine core frees gigabytes), and the command must not return before its
         tree has ended (a test saw a killed engine process still running after it had)."""
-        _wait(LINGER, lambda: self._left(leader))
-        left = self._left(leader)
+        left = _wait(LINGER, lambda: self._left(leader))
         kill_tree(self.folder, leader)
         _wait(LINGER, lambda: [p for p in left if _alive(p)])
 
@@ -264,13 +263,17 @@ class _Child:
         return [p for p in {*members(self.folder), *_group(leader)} if _alive(p)]
 
 
-def _wait(seconds: float, pending: Callable[[], list[int]]) -> None:
-    """Until `pending()` is empty, at most `seconds`, collecting orphans meanwhile."""
+def _wait(seconds: float, pending: Callable[[], list[int]]) -> list[int]:
+    """Until `pending()` is empty, at most `seconds`, collecting orphans meanwhile; what
+    was still pending at the last look."""
     end = time.monotonic() + seconds
-    while pending() and time.monotonic() < end:
+    left = pending()
+    while left and time.monotonic() < end:
         _reap_orphans()
         time.sleep(0.05)
+        left = pending()
     _reap_orphans()
+    return left
 
 
 @contextlib.contextmanager
