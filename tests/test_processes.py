@@ -44,21 +44,23 @@ CHILD = textwrap.dedent(
             "    open(os.environ['ENDED'], 'w').close()\\n"
             "    sys.exit(0)\\n"
             "signal.signal(signal.SIGTERM, end)\\n"
+            "print('listening', flush=True)\\n"
             "time.sleep(600)\\n"
         )
         env = {k: v for k, v in os.environ.items() if k != processes.RUN_DIR_ENV}
-        engine = subprocess.Popen([sys.executable, "-c", slow], env=env)
+        engine = subprocess.Popen([sys.executable, "-c", slow], env=env, stdout=subprocess.PIPE)
+        engine.stdout.readline()  # its handler is in place: a SIGTERM now is its to handle
+        # told to stop, it tells the engine and does not wait for it
+        signal.signal(signal.SIGTERM, lambda *_: (engine.terminate(), os._exit(0)))
     else:
         code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
         subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     open(os.path.join(tempfile.gettempdir(), "socket"), "w").close()
     if sys.argv[1] != "stubborn-starting":
         processes.mark_ready()
-    print("ready", flush=True)
-    if sys.argv[1] == "group":  # tell it to stop, and do not wait for it
-        signal.signal(signal.SIGTERM, lambda *_: (engine.terminate(), os._exit(0)))
-    elif not stubborn:
+    if not stubborn and sys.argv[1] != "group":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("ready", flush=True)
     while True:
         time.sleep(1)
     """
