@@ -144,8 +144,6 @@ VLLM_SURFACE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "the base count, cdiv(tokens, block_size) less those held, is the cheap bound's"),
     ("SingleTypeKVCacheManager", "allocate_new_blocks", ("request_id", "num_tokens"),
      "the same"),
-    ("SingleTypeKVCacheManager.get_num_blocks_to_allocate", "behaviour",
-     ("cdiv(num_tokens, self.block_size)",), "the cheap bound is this count's"),
     ("kv_cache_manager", "watermark_blocks", (), "part of a step's worst case"),
     ("block_pool", "free_block_queue", (), "replaced by TenantFreeBlockQueue"),
     ("block_pool", "blocks", (), "the pool's size, for the replacement queue"),
@@ -169,6 +167,8 @@ VLLM_SURFACE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      "blocks (keyed by id(list)) under their session as it pops"),
     ("Scheduler", "behaviour", ("self.running = ",),
      "vLLM rebinds running to a plain list: kvlease wraps it again after those calls"),
+    ("SingleTypeKVCacheManager.get_num_blocks_to_allocate", "behaviour",
+     ("cdiv(num_tokens, self.block_size)",), "the cheap bound is this count's"),
 )  # fmt: skip
 
 RequestQueue.register(TenantWaitingQueue)
