@@ -1,6 +1,6 @@
 """Scheduler overhead: TenantAwareScheduler against vLLM's own Scheduler, no model.
 
-    python -m bench.overhead            # 64, 256 and 1,024 running requests
+    python -m bench.overhead            # 64, 256 and 1,024 running requests, three loads
     python -m bench.overhead --quick    # fewer timed steps (smoke test)
 
 Both are real vLLM schedulers built as the engine builds them
@@ -19,11 +19,20 @@ steady state of prefills and decodes with `n` requests running at most
   never`), shows what the reservations take from the requests scheduled per step, and
   a fifth, kvlease with every mechanism off (EVERY_MECHANISM_OFF), what the policy
   costs beside kvlease's bookkeeping (tier queues, attribution, accounting), which
-  stays on.
-Requests come from 32 tenants in the three tiers (1:3:8), one session each. Each
-session always has requests in flight, so none ends a turn and no reservation window
-opens: this load times the reservation's bookkeeping, not what it holds back
-(bench/policy.py's trace, whose sessions come back, measures that).
+  stays on;
+- pressure, chat turns: the same pool, and requests that are the turns of chat
+  sessions (`Load`'s chat mode: three turns, each prompt the session's context so far
+  plus 4 tokens, 32-token replies), so sessions end turns, think and come back, and
+  kvlease's reservation windows open. Stock, smaller requests in the same pool, runs
+  short less often here (at 1,024 running never: the step's token budget binds first);
+  kvlease's reservations may make it. A second table gives what they
+  hold back (the most blocks reserved, the requests scheduled a step beside kvlease
+  with nothing reserved) and what they buy: each next turn's share of its earlier
+  context found in the prefix cache, per tier.
+Requests come from 32 tenants in the three tiers (1:3:8). In the first two loads each
+tenant has one session, always with requests in flight, so no turn ends and no
+reservation window opens: they time the reservation's bookkeeping, not what it holds
+back; the chat load does both.
 The schedulers (stock, the kvleases, and stock again for the noise floor) are timed
 together, one step of each in turn, so every one meets the same drift of the
 machine's speed, each going first in turn, `--repeats` times, with the heap frozen
@@ -38,6 +47,7 @@ import gc
 import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +57,15 @@ from kvlease.engine.tenancy import TierTable
 from kvlease.replay.synthetic import BLOCK, make_request, make_scheduler, step
 
 SIZES = (64, 256, 1024)
+LOADS = ((False, False), (True, False), (True, True))  # (pressure, chat) of each table block
 RESULTS = Path(__file__).parent / "results"
 PROMPT = 60
 OUTPUT = 64  # a request holds 2 blocks at first and 4 at its end
 WARMUP_STEPS = 2 * OUTPUT  # past the first wave: arrivals and finishes are mixed
+# The chat load: sessions of CHAT_TURNS turns, each turn's prompt its session's context so
+# far plus CHAT_NEW tokens (the first CHAT_FIRST), each reply CHAT_OUTPUT tokens: at most
+# 5 blocks a request, as the steady load's 4
+CHAT_TURNS, CHAT_FIRST, CHAT_NEW, CHAT_OUTPUT = 3, 28, 4, 32
 # kvlease with every mechanism it can switch off switched off (bench.policy's ablations at
 # once): what the mechanisms cost, in time and in requests scheduled per step
 EVERY_MECHANISM_OFF = {
@@ -68,12 +83,28 @@ def tier_of(i: int) -> str:
 
 
 class Load:
-    """Keeps `n + n // 4` requests in the scheduler: one arrives for each that finishes."""
+    """Keeps `n + n // 4` requests in the scheduler: one arrives for each that finishes.
 
-    def __init__(self, scheduler: Any, n: int) -> None:
-        self.scheduler, self.target = scheduler, n + n // 4
+    Steady (the default): request i comes from tenant i % 32's one session, which thus
+    always has requests in flight: no turn ever ends. `chat`: each session has one request
+    in flight at most and CHAT_TURNS turns; when a turn ends the session thinks while as
+    many others are in flight as the load keeps, then the one that has thought longest
+    sends its next turn, so reservation windows open and close as on a chat service."""
+
+    def __init__(self, scheduler: Any, n: int, chat: bool = False) -> None:
+        self.scheduler, self.target, self.chat = scheduler, n + n // 4, chat
         self.sent: list[Any] = []  # every request, to count preemptions at the end
         self.busy = 0.0  # seconds this scheduler has spent in its own steps
+        # chat: (tenant index, session, turn, prompt) by request in flight, the sessions
+        # thinking (their next turn and context), the sessions started and turns sent
+        # back, and per tier what returning turns found cached of their context
+        self.in_flight: dict[str, tuple[int, str, int, list[int]]] = {}
+        self.thinking: deque[tuple[int, str, int, list[int]]] = deque()
+        self.sessions = self.turns_back = self.tokens = 0
+        self.context = dict.fromkeys(TIERS, 0)  # whole-block tokens of earlier turns
+        self.cached = dict.fromkeys(TIERS, 0)  # of those, found in the prefix cache
+        self.hits: dict[str, int] = {}  # request id -> its prefix-cache hit when scheduled
+        self.reserved_most = 0  # kvlease: most blocks reserved after a step
         if hasattr(scheduler, "kvlease"):
             # kvlease's clock is its own busy time: what it does every so many seconds
             # (the occupancy sample) comes as often a step as on an engine running alone,
@@ -82,21 +113,72 @@ class Load:
             scheduler.kvlease.clock = lambda: origin + self.busy
         self.top_up()
 
+    def note(self, outputs: dict) -> None:
+        """A step's outputs (outside the timed part): each chat request's prefix-cache hit,
+        from its first scheduling's prefill stats."""
+        if not self.chat:
+            return
+        for batch in outputs.values():
+            for o in batch.outputs:
+                if o.prefill_stats is not None and o.request_id not in self.hits:
+                    self.hits[o.request_id] = o.prefill_stats.num_cached_tokens
+
     def top_up(self) -> None:
+        kv = getattr(self.scheduler, "kvlease", None)
+        if kv is not None:
+            self.reserved_most = max(self.reserved_most, kv.free_queue.reserved_blocks)
+        if self.chat:
+            self._end_turns()
         while len(self.scheduler.requests) < self.target:
-            i = len(self.sent) % 32
-            request = make_request(f"t{i:02d}", tier_of(i), PROMPT, OUTPUT, f"t{i:02d}")
+            request = self._chat_turn() if self.chat else self._steady()
             self.scheduler.add_request(request)
             self.sent.append(request)
+
+    def _steady(self) -> Any:
+        i = len(self.sent) % 32
+        return make_request(f"t{i:02d}", tier_of(i), PROMPT, OUTPUT, f"t{i:02d}")
+
+    def _chat_turn(self) -> Any:
+        if len(self.thinking) > self.target:  # as many think as are in flight, about
+            i, session, turn, context = self.thinking.popleft()
+            prompt = context + self._fresh(CHAT_NEW)
+            self.turns_back += 1
+        else:
+            i, session, turn = self.sessions % 32, f"c{self.sessions}", 0
+            prompt = self._fresh(CHAT_FIRST)
+            self.sessions += 1
+        request = make_request(
+            f"t{i:02d}", tier_of(i), len(prompt), CHAT_OUTPUT, session, prompt=prompt
+        )
+        self.in_flight[request.request_id] = (i, session, turn, prompt)
+        return request
+
+    def _fresh(self, count: int) -> list[int]:
+        """New prompt tokens (the replay's model always answers token 7)."""
+        self.tokens += count
+        return [(self.tokens * 31 + k) % 600 + 10 for k in range(count)]
+
+    def _end_turns(self) -> None:
+        for rid in [rid for rid in self.in_flight if rid not in self.scheduler.requests]:
+            i, session, turn, prompt = self.in_flight.pop(rid)
+            hit = self.hits.pop(rid, 0)
+            if turn:  # a next turn: how much of its earlier turns' context was kept
+                kept = (len(prompt) - CHAT_NEW) // BLOCK * BLOCK
+                self.context[tier_of(i)] += kept
+                self.cached[tier_of(i)] += min(kept, hit)
+            if turn + 1 < CHAT_TURNS:
+                self.thinking.append((i, session, turn + 1, prompt + [7] * CHAT_OUTPUT))
 
     def preemptions(self) -> int:
         return sum(r.num_preemptions for r in self.sent)
 
 
-def build(cls: type, model: str, n: int, pressure: bool, kvlease: dict | None = None) -> Load:
+def build(
+    cls: type, model: str, n: int, pressure: bool, kvlease: dict | None = None, chat: bool = False
+) -> Load:
     largest = -(-(PROMPT + OUTPUT) // BLOCK)
     blocks = n * 3 + 1 if pressure else pool_with_lease_room((n + n // 4) * largest)
-    load = Load(make_scheduler(cls, model, blocks, max_num_seqs=n, kvlease=kvlease), n)
+    load = Load(make_scheduler(cls, model, blocks, max_num_seqs=n, kvlease=kvlease), n, chat)
     time_steps(load, WARMUP_STEPS)
     return load
 
@@ -124,8 +206,9 @@ def time_together(loads: list[Load], steps: int) -> list[tuple[float, float]]:
     for _ in range(steps):
         for i, load in enumerate(loads):
             started = time.perf_counter()
-            out, _ = step(load.scheduler)
+            out, outputs = step(load.scheduler)
             took = time.perf_counter() - started
+            load.note(outputs)
             seconds[i] += took
             load.busy += took
             scheduled[i] += len(out.num_scheduled_tokens)
@@ -133,7 +216,9 @@ def time_together(loads: list[Load], steps: int) -> list[tuple[float, float]]:
     return [(seconds[i] / steps, scheduled[i] / steps) for i in range(len(loads))]
 
 
-def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dict[str, Any]:
+def measure(
+    model: str, n: int, pressure: bool, steps: int, repeats: int, chat: bool = False
+) -> dict[str, Any]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvlease.engine.vllm_scheduler import TenantAwareScheduler
@@ -148,7 +233,7 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         "kvlease-unreserved": (TenantAwareScheduler, {"reserve": "never"}),
         "kvlease-off": (TenantAwareScheduler, EVERY_MECHANISM_OFF),
     }
-    loads = {name: build(cls, model, n, pressure, kv) for name, (cls, kv) in classes.items()}
+    loads = {name: build(cls, model, n, pressure, kv, chat) for name, (cls, kv) in classes.items()}
     gc.collect()
     gc.freeze()  # as vLLM's EngineCore does once started: full collections skip this heap
     # Each repeat's mean step and requests scheduled per step, per scheduler.
@@ -176,6 +261,7 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
     return {
         "running": n,
         "pressure": pressure,
+        "chat": chat,
         "scheduled_per_step": per_step,
         "stock_us": min(seconds["stock"]) * 1e6,
         "kvlease_us": min(seconds["kvlease"]) * 1e6,
@@ -186,6 +272,14 @@ def measure(model: str, n: int, pressure: bool, steps: int, repeats: int) -> dic
         "off_ratio_per_request": ratio("kvlease-off"),
         "requests_sent": {k: len(load.sent) for k, load in loads.items()},
         "preemptions": {k: load.preemptions() for k, load in loads.items()},
+        "turns_back": {k: load.turns_back for k, load in loads.items()},
+        "reserved_most": loads["kvlease"].reserved_most,
+        "pool_blocks": loads["kvlease"].scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+        # per scheduler and tier: the share of returning turns' earlier context found cached
+        "next_turn_hit": {
+            k: {t: load.cached[t] / load.context[t] for t in TIERS if load.context[t]}
+            for k, load in loads.items()
+        },
     }
 
 
@@ -201,12 +295,12 @@ def main() -> int:
     model = args.model or str(ensure_demo_model())
     steps, repeats = (20, 3) if args.quick else (100, args.repeats or 7)
     rows = []
-    for pressure in (False, True):
+    for pressure, chat in LOADS:
         for n in SIZES:
-            row = measure(model, n, pressure, steps, repeats)
+            row = measure(model, n, pressure, steps, repeats, chat)
             rows.append(row)
             print(
-                f"  {n:5} running, {'pressure' if pressure else 'no pressure':11}: "
+                f"  {n:5} running, {_load(row):22}: "
                 f"stock {row['stock_us']:8.0f} us, kvlease {row['kvlease_us']:8.0f} us, "
                 f"ratio {row['ratio']:.3f} (stock / stock {row['stock_again_ratio']:.3f})",
                 flush=True,
@@ -214,7 +308,7 @@ def main() -> int:
     targets = [
         {
             "target": f"Scheduler time per scheduled request at {r['running']:,} running"
-            f"{', pressure' if r['pressure'] else ''}, vs stock",
+            f"{', ' + _load(r) if r['pressure'] else ''}, vs stock",
             "wanted": f"<= {1.10 if r['pressure'] else 1.05:.2f}x",
             "measured": r["ratio_per_request"],
             "met": r["ratio_per_request"] <= (1.10 if r["pressure"] else 1.05),
@@ -223,7 +317,7 @@ def main() -> int:
         if r["running"] >= 256
     ] + [
         {
-            "target": f"Requests scheduled per step at {r['running']:,} running, pressure, "
+            "target": f"Requests scheduled per step at {r['running']:,} running, {_load(r)}, "
             "vs stock",
             "wanted": ">= 0.95x",
             "measured": r["scheduled_per_step"]["kvlease"] / r["scheduled_per_step"]["stock"],
@@ -247,13 +341,19 @@ def main() -> int:
         "running requests",
         "ratio",
         {
-            label: ([r["running"] for r in rows if r["pressure"] == p],
-                    [r["ratio"] for r in rows if r["pressure"] == p])
-            for label, p in (("no pressure", False), ("pressure", True))
+            _load(load): ([r["running"] for r in rows if (r["pressure"], r["chat"]) == load],
+                          [r["ratio"] for r in rows if (r["pressure"], r["chat"]) == load])
+            for load in ({"pressure": p, "chat": c} for p, c in LOADS)
         },
     )  # fmt: skip
     print(markdown(result))
     return 0
+
+
+def _load(row: dict) -> str:
+    if not row["pressure"]:
+        return "no pressure"
+    return "pressure, chat turns" if row["chat"] else "pressure"
 
 
 def markdown(result: dict) -> str:
@@ -265,8 +365,9 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
+        pressure = ("yes, chat turns" if r["chat"] else "yes") if r["pressure"] else "no"
         lines.append(
-            f"| {r['running']:,} | {'yes' if r['pressure'] else 'no'} | "
+            f"| {r['running']:,} | {pressure} | "
             f"{r['scheduled_per_step']['stock']:.0f} / {r['scheduled_per_step']['kvlease']:.0f}"
             f" / {r['scheduled_per_step']['kvlease-unreserved']:.0f}"
             f" / {r['scheduled_per_step']['kvlease-off']:.0f}"
@@ -275,7 +376,39 @@ def markdown(result: dict) -> str:
             f"({r['unreserved_ratio_per_request']:.3f} / {r['off_ratio_per_request']:.3f})"
             f" | {r['stock_again_ratio']:.3f} |"
         )
-    return "\n".join(lines) + "\n\n" + report.targets_table(result["targets"]) + "\n"
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + bought(result["rows"])
+        + "\n\n"
+        + report.targets_table(result["targets"])
+        + "\n"
+    )
+
+
+def bought(rows: list[dict]) -> str:
+    """Under the chat load: what kvlease's reservations hold back and what they buy, the
+    next turns' share of their earlier context found in the prefix cache, per scheduler."""
+    names = ("stock", "kvlease", "kvlease-unreserved")
+    lines = [
+        "| requests (pressure, chat turns) | kvlease reserved at most, blocks of the pool "
+        "| requests a step (stock / kvlease / nothing reserved) "
+        "| next-turn hit, premium (stock / kvlease / nothing reserved) | standard |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["chat"]:
+            continue
+        hits = {
+            tier: " / ".join(f"{r['next_turn_hit'][name].get(tier, 0):.0%}" for name in names)
+            for tier in TIERS[:2]
+        }
+        lines.append(
+            f"| {r['running']:,} | {r['reserved_most']} of {r['pool_blocks']} | "
+            + " / ".join(f"{r['scheduled_per_step'][name]:.0f}" for name in names)
+            + f" | {hits[TIERS[0]]} | {hits[TIERS[1]]} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

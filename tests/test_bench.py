@@ -152,19 +152,26 @@ def test_seeds_benchmark_replays_every_way_on_every_seed_and_counts_the_targets_
 
 def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_home):
     result = _bench("overhead", out, kvlease_home)
-    rows = {(r["running"], r["pressure"]) for r in result["rows"]}
-    assert rows == {(n, p) for n in (64, 256, 1024) for p in (False, True)}
+    rows = {(r["running"], r["pressure"], r["chat"]) for r in result["rows"]}
+    loads = ((False, False), (True, False), (True, True))
+    assert rows == {(n, p, c) for n in (64, 256, 1024) for p, c in loads}
     for r in result["rows"]:
+        if r["chat"]:  # sessions end turns and come back: reservations are at work
+            assert min(r["turns_back"].values()) > 0 and r["reserved_most"] > 0
+            assert all(0 <= hit <= 1 for h in r["next_turn_hit"].values() for hit in h.values())
+        else:  # one session per tenant, always in flight: no turn ends, nothing reserved
+            assert set(r["turns_back"].values()) == {0} and r["reserved_most"] == 0
         assert r["stock_us"] > 0 and r["kvlease_us"] > 0
         assert min(r["requests_sent"].values()) > r["running"] * 5 // 4  # requests finished
-        if r["pressure"]:
-            assert min(r["preemptions"].values()) > 0
-        else:
+        if not r["pressure"]:
             assert set(r["preemptions"].values()) == {0}  # all five schedulers
+        elif not r["chat"]:  # the same pool, smaller chat requests: stock may not run short
+            assert min(r["preemptions"].values()) > 0
         assert r["stock_again_ratio"] > 0  # the noise floor: stock against itself
-        # Stock keeps most of the n slots busy; kvlease's leases reserve part of the
-        # pressure pool, so it may run fewer, and the per-request ratio compares the cost.
-        assert r["scheduled_per_step"]["stock"] >= 0.7 * r["running"]
+        # Stock keeps most of the n slots busy (of the chat load's, returning turns' prefills
+        # take more of the token budget); under the chat load kvlease's leases reserve part of
+        # the pool, so it may run fewer, and the per-request ratio compares the cost.
+        assert r["scheduled_per_step"]["stock"] >= (0.6 if r["chat"] else 0.7) * r["running"]
         assert r["scheduled_per_step"]["kvlease"] >= 0.4 * r["running"]
         assert r["scheduled_per_step"]["kvlease-off"] >= 0.4 * r["running"]
         assert r["ratio_per_request"] > 0 and r["unreserved_ratio_per_request"] > 0
