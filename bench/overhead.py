@@ -358,16 +358,15 @@ def _load(row: dict) -> str:
 
 def markdown(result: dict) -> str:
     lines = [
-        "| requests | pressure | scheduled per step (stock / kvlease / kvlease, nothing "
+        "| requests | load | scheduled per step (stock / kvlease / kvlease, nothing "
         "reserved / every mechanism off) | stock us/step | kvlease us/step | ratio per step "
         "| ratio per scheduled request (nothing reserved / every mechanism off) "
         "| noise floor: stock / stock |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        pressure = ("yes, chat turns" if r["chat"] else "yes") if r["pressure"] else "no"
         lines.append(
-            f"| {r['running']:,} | {pressure} | "
+            f"| {r['running']:,} | {_load(r)} | "
             f"{r['scheduled_per_step']['stock']:.0f} / {r['scheduled_per_step']['kvlease']:.0f}"
             f" / {r['scheduled_per_step']['kvlease-unreserved']:.0f}"
             f" / {r['scheduled_per_step']['kvlease-off']:.0f}"
