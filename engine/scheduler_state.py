@@ -162,7 +162,7 @@ class KvleaseState:
         self.wrapped_allocate: Callable[..., Any]  # the adapter's, one bound method,
         # compared by identity
         self.step_blocks = 0  # blocks one step can take beyond one per running request
-        # A running request's next tokens take at most tokens // block_unit + 1 new blocks:
+        # A running request's next tokens take no blocks but those they begin (block_unit):
         # the block size on an engine with one KV cache group that counts blocks as vLLM's
         # base manager does; 0 where no bound is that cheap (hybrid models, Mamba), so
         # every allocation takes the full path (the adapter's `_block_unit`).

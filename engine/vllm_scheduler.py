@@ -721,15 +721,27 @@ class TenantSchedulingMixin(_SchedulerBase):
         next tokens fit in blocks nobody reserves goes to vLLM's call from this one frame:
         there a reservation changes nothing and the allocation cannot fail. vLLM makes that
         call (tokens, lookahead) for every running request every step: it is forwarded
-        without packing the arguments again (the frame's cost a call: 0.16 us, 0.47 us with it)."""
+        without packing the arguments again (the frame's cost a call: 0.16 us, 0.47 us with it).
+
+        The most new blocks the tokens can take (`most`): a running request holds the blocks
+        of its computed tokens, so only the blocks its new tokens begin are new, and a decode
+        inside its last block takes none, however short the pool (most steps' decodes); a
+        waiting request at most tokens // size + 1, its prefix hit aside. 0 `block_unit`: no
+        bound that cheap (`_block_unit`), every allocation takes the full path."""
         kv = self.kvlease
         kv.cause = request
         queue = kv.free_queue
         queue.taker = request.request_id
-        unit = kv.block_unit  # the most new blocks these tokens can take (0: no cheap bound)
-        most = (num_new_tokens + num_lookahead_tokens) // unit + 1 if unit else 1 << 62
+        unit = kv.block_unit
         running = request.status is RUNNING
-        if running and not (args or kwargs or kv.kv_caps) and queue.free_unreserved > most:
+        if not unit:
+            most = 1 << 62
+        elif running:  # cdiv(done + tokens) - cdiv(done), as (x - 1) // unit + 1 = cdiv(x)
+            done = request.num_computed_tokens
+            most = (done + num_new_tokens + num_lookahead_tokens - 1) // unit - (done - 1) // unit
+        else:
+            most = (num_new_tokens + num_lookahead_tokens) // unit + 1
+        if running and not (args or kwargs or kv.kv_caps) and most <= queue.free_unreserved:
             blocks = kv.allocate(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
         else:
             kwargs["num_lookahead_tokens"] = num_lookahead_tokens
@@ -1320,10 +1332,11 @@ def _block_takers(output: SchedulerOutput) -> dict[int, str]:
 
 
 def _block_unit(managers: tuple[Any, ...]) -> int:
-    """The block size where a running request's next n tokens take at most n // size + 1
-    new blocks: one KV cache group, whose manager counts and allocates blocks as vLLM's base
-    manager does (`cdiv(tokens, block_size)` less those held: full attention, sliding
-    window, chunked local). 0 elsewhere (hybrid models, Mamba's state blocks, ring
+    """The block size where a running request with d computed tokens takes at most
+    cdiv(d + n, size) - cdiv(d, size) new blocks for its next n: one KV cache group,
+    whose manager counts and allocates blocks as vLLM's base manager does
+    (`cdiv(tokens, block_size)` less those held: full attention, sliding window, chunked
+    local). 0 elsewhere (hybrid models, Mamba's state blocks, ring
     buffers): every allocation then takes the full path."""
     if len(managers) != 1:
         return 0

@@ -941,8 +941,9 @@ def test_an_eviction_without_pressure_names_the_request_its_block_went_to(demo_m
 
 
 def test_the_cheap_allocation_bound_is_used_only_where_vllm_counts_blocks_per_token():
-    """A running request's next n tokens take at most n // block_size + 1 new blocks, so
-    the allocation wrapper may skip its reservation path when more are free. That holds
+    """A running request with d computed tokens takes at most cdiv(d + n, block_size) -
+    cdiv(d, block_size) new blocks for its next n, so the allocation wrapper may skip its
+    reservation path when that many are free. That holds
     for vLLM's base block count (one group of full attention, as the demo model's, or of
     sliding window), not for Mamba's state blocks, a ring buffer or several groups: there
     every allocation takes the full path."""
@@ -970,3 +971,45 @@ def test_the_cheap_allocation_bound_is_used_only_where_vllm_counts_blocks_per_to
 def test_the_demo_models_scheduler_takes_the_cheap_allocation_bound(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model)
     assert scheduler.kvlease.block_unit == BLOCK
+
+
+def test_a_decode_inside_its_last_block_skips_the_reservation_path_however_short_the_pool(
+    demo_model,
+):
+    """A running request holds the blocks of its computed tokens, so a decode inside its
+    last block takes no new block: the wrapper sends it straight to vLLM even when no
+    unreserved block is free (or one: n // size + 1 blocks would be a bound for a request
+    of unknown place). Only allocations that begin a block take the full path
+    (the reservation, the victim). Pool 23 blocks, premium's 4 reserved, twelve 3-block
+    free requests churning through the other 19."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model, reserve_payback=False)
+    _finish_turn(scheduler, make_request("pam", "premium", 0, 2, session="c",
+                                         prompt=_conversation(140, seed=1)))  # fmt: skip
+    kv, manager = scheduler.kvlease, scheduler.kv_cache_manager
+    allocate, allocate_leasing = kv.allocate, scheduler._allocate_leasing
+    dry_decodes, full_path = [], []  # new blocks of: running allocations with at most one
+    # unreserved block free; running allocations that took the full path
+
+    def new_blocks(request, tokens, lookahead):
+        held = len(manager.coordinator.get_blocks(request.request_id)[0])
+        return -(-(request.num_computed_tokens + tokens + lookahead) // BLOCK) - held
+
+    def vllms(request, tokens, *args, num_lookahead_tokens=0, **kwargs):
+        if request.status is RequestStatus.RUNNING and kv.free_queue.free_unreserved <= 1:
+            dry_decodes.append(new_blocks(request, tokens, num_lookahead_tokens))
+        return allocate(request, tokens, *args, num_lookahead_tokens=num_lookahead_tokens,
+                        **kwargs)  # fmt: skip
+
+    def leasing(request, running, most, args, kwargs):
+        if running:
+            full_path.append(new_blocks(request, args[0], kwargs["num_lookahead_tokens"]))
+        return allocate_leasing(request, running, most, args, kwargs)
+
+    kv.allocate, scheduler._allocate_leasing = vllms, leasing
+    manager.allocate_slots = kv.wrapped_allocate
+    for i in range(12):
+        scheduler.add_request(make_request(f"f{i}", "free", 30, 60, session=f"f{i}"))
+    _run(scheduler)
+    assert kv.holders[("pam", "c")].reserved == 4
+    assert dry_decodes.count(0) > 10, "decodes must run with at most one unreserved block free"
+    assert full_path and min(full_path) >= 1  # each began a block
