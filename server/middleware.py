@@ -514,7 +514,12 @@ class TenantMiddleware:
             # it ("cannot schedule new futures after shutdown"), a 500 unless answered here.
             if not DRAINING.is_set() or response.started:
                 raise
-            logger.info("request %s overtaken by the drain (%s): answered 503", request_id, exc)
+            # Its type only: an exception's text may quote the request (the prompt, a header).
+            logger.info(
+                "request %s overtaken by the drain (%s): answered 503",
+                request_id,
+                type(exc).__name__,
+            )
             await _shutting_down(send)
         finally:
             if hold is not None and TELEMETRY.budgets is not None:

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 
 import pytest
 from waiting import ticks_until
@@ -588,18 +589,24 @@ class _Overtaken:
         from kvlease.server.middleware import DRAINING
 
         DRAINING.set()
-        if self.raises:
-            raise RuntimeError("cannot schedule new futures after shutdown")
+        if self.raises:  # quoting the request, as an exception may
+            raise RuntimeError(f"cannot schedule new futures after shutdown: {PROMPT}")
         await send({"type": "http.response.start", "status": 500, "headers": []})
         await send({"type": "http.response.body", "body": b'{"error": "shutdown"}'})
 
 
+PROMPT = "my card number is 4111 1111 1111 1111"
+
+
 @pytest.mark.parametrize("raises", [True, False], ids=["exception", "error-response"])
-def test_a_request_the_drain_overtakes_inside_vllm_gets_503_not_500(config, hs_ring, tiers, raises):
+def test_a_request_the_drain_overtakes_inside_vllm_gets_503_not_500_and_logs_no_request_text(
+    config, hs_ring, tiers, raises, caplog
+):
     from kvlease.server.middleware import DRAINING
 
+    caplog.set_level(logging.INFO, logger="kvlease")
     app = TenantMiddleware(_Overtaken(raises), config)
-    body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    body = json.dumps({"model": "m", "prompt": PROMPT}).encode()
     try:
         status, headers, out = call(
             app, "/v1/completions", body=body, headers=[bearer(hs_ring, tiers), JSON]
@@ -608,6 +615,8 @@ def test_a_request_the_drain_overtakes_inside_vllm_gets_503_not_500(config, hs_r
         DRAINING.clear()
     assert status == 503 and json.loads(out)["error"]["code"] == "shutting_down"
     assert headers[b"retry-after"] == b"5"
+    assert "4111" not in caplog.text
+    assert ("overtaken by the drain (RuntimeError)" in caplog.text) is raises
 
 
 def test_an_error_inside_vllm_while_not_draining_is_not_disguised(config, hs_ring, tiers):
