@@ -1336,8 +1336,8 @@ def _block_unit(managers: tuple[Any, ...]) -> int:
     cdiv(d + n, size) - cdiv(d, size) new blocks for its next n: one KV cache group,
     whose manager counts and allocates blocks as vLLM's base manager does
     (`cdiv(tokens, block_size)` less those held: full attention, sliding window, chunked
-    local). 0 elsewhere (hybrid models, Mamba's state blocks, ring
-    buffers): every allocation then takes the full path."""
+    local). 0 elsewhere (hybrid models, Mamba's state blocks, ring buffers): every
+    allocation then takes the full path."""
     if len(managers) != 1:
         return 0
     kind, base = type(managers[0]), SingleTypeKVCacheManager

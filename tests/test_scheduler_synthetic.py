@@ -977,11 +977,10 @@ def test_a_decode_inside_its_last_block_skips_the_reservation_path_however_short
     demo_model,
 ):
     """A running request holds the blocks of its computed tokens, so a decode inside its
-    last block takes no new block: the wrapper sends it straight to vLLM even when no
-    unreserved block is free (or one: n // size + 1 blocks would be a bound for a request
-    of unknown place). Only allocations that begin a block take the full path
-    (the reservation, the victim). Pool 23 blocks, premium's 4 reserved, twelve 3-block
-    free requests churning through the other 19."""
+    last block takes no new block: the wrapper sends it straight to vLLM even when at most
+    one unreserved block is free. Only allocations that begin a block take the full path
+    (the reservation check, the victim). Pool 23 blocks, premium's 4 reserved, twelve
+    3-block free requests churning through the other 19."""
     scheduler = _scheduler(TenantAwareScheduler, demo_model, reserve_payback=False)
     _finish_turn(scheduler, make_request("pam", "premium", 0, 2, session="c",
                                          prompt=_conversation(140, seed=1)))  # fmt: skip
@@ -1006,7 +1005,7 @@ def test_a_decode_inside_its_last_block_skips_the_reservation_path_however_short
         return allocate_leasing(request, running, most, args, kwargs)
 
     kv.allocate, scheduler._allocate_leasing = vllms, leasing
-    manager.allocate_slots = kv.wrapped_allocate
+    manager.allocate_slots = kv.wrapped_allocate  # `_choose_allocator` swaps only its own two
     for i in range(12):
         scheduler.add_request(make_request(f"f{i}", "free", 30, 60, session=f"f{i}"))
     _run(scheduler)
