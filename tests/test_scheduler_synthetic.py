@@ -18,6 +18,7 @@ from waiting import until
 from kvlease.engine.channel import ADDRESS_ENV, Receiver, new_address
 from kvlease.engine.events import EVENT_CAPACITY, TenantHolding
 from kvlease.engine.fairness import INPUT_COST, OUTPUT_COST
+from kvlease.engine.policy import blocks_for
 from kvlease.engine.vllm_scheduler import TenantAwareAsyncScheduler, TenantAwareScheduler
 from kvlease.replay.synthetic import BLOCK, make_request, make_scheduler, step
 
@@ -991,7 +992,7 @@ def test_a_decode_inside_its_last_block_skips_the_reservation_path_however_short
 
     def new_blocks(request, tokens, lookahead):
         held = len(manager.coordinator.get_blocks(request.request_id)[0])
-        return -(-(request.num_computed_tokens + tokens + lookahead) // BLOCK) - held
+        return blocks_for(request.num_computed_tokens + tokens + lookahead, BLOCK) - held
 
     def vllms(request, tokens, *args, num_lookahead_tokens=0, **kwargs):
         if request.status is RequestStatus.RUNNING and kv.free_queue.free_unreserved <= 1:
