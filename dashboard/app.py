@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 
 import pandas as pd
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
 from kvlease.dashboard import charts, data, health, usage, whatif
 from kvlease.engine.budgets import BUDGETS_ENV, BudgetTable
@@ -307,6 +309,23 @@ def live_panel(source: str, url: str, token: str | None, minutes: int, top: int,
         )
 
 
+def download(
+    column: DeltaGenerator,
+    label: str,
+    data: str | bytes | Callable[[], str | bytes],
+    file_name: str,
+    mime: str,
+    help: str | None = None,
+) -> None:
+    """A download button whose click only downloads. Streamlit's default also reruns the
+    page, and a callable's file id dies when that rerun ends: on busy cores the click's own
+    rerun can finish before the file is asked for, and the click downloads nothing (make
+    test once clicked the FOCUS CSV and got nothing in 300 s). No page here needs the rerun."""
+    column.download_button(
+        label, data, file_name=file_name, mime=mime, help=help, on_click="ignore"
+    )
+
+
 def usage_page() -> None:
     db = CONFIG.usage_db
     if not db:
@@ -348,18 +367,20 @@ def usage_page() -> None:
     tiers = tier_table()
     name = f"kvlease-usage-{first}-{after}"
     c1, c2 = st.columns(2)
-    c1.download_button(
+    download(
+        c1,
         "Download FOCUS CSV",
         lambda: usage.export_csv(db, lo, hi, "focus", granularity, tiers),
-        file_name=f"{name}-{granularity}.csv",
-        mime="text/csv",
+        f"{name}-{granularity}.csv",
+        "text/csv",
         help="The file `kvlease usage export` writes for this period and granularity.",
     )
-    c2.download_button(
+    download(
+        c2,
         "Tenant summary CSV",
         lambda: usage.export_csv(db, lo, hi, "summary", granularity, tiers),
-        file_name=f"{name}-summary.csv",
-        mime="text/csv",
+        f"{name}-summary.csv",
+        "text/csv",
         help="One row per tenant, its statement's total: `kvlease usage export --format summary`.",
     )
     by_tenant, over_time, statement_tab, requests_tab, reconciliation = st.tabs(
@@ -431,14 +452,13 @@ def statement_view(db: str, finance: usage.Finance, lo: float, hi: float) -> Non
     st.metric("Statement total", f"{money.shown(s.total, s.currency)} {s.currency}")
     c1, c2 = st.columns(2)
     name = f"kvlease-statement-{s.number}"
-    c1.download_button(
-        "Statement CSV", statement.to_csv(s), file_name=f"{name}.csv", mime="text/csv"
-    )
-    c2.download_button(
+    download(c1, "Statement CSV", statement.to_csv(s), f"{name}.csv", "text/csv")
+    download(
+        c2,
         "Printable statement (HTML)",
         statement.to_html(s),
-        file_name=f"{name}.html",
-        mime="text/html",
+        f"{name}.html",
+        "text/html",
         help="A self-contained A4 page: open it and print, or save as PDF.",
     )
 
@@ -578,11 +598,13 @@ def what_if_result() -> None:
     frame = whatif.tier_frame(value)
     st.caption(whatif.settings_line(value))
     c1, c2 = st.columns(2)
-    c1.download_button(
-        "Report (HTML)", job.html_path.read_bytes(), "kvlease-what-if.html", "text/html"
-    )
-    c2.download_button(
-        "Report (JSON)", job.report_path.read_bytes(), "kvlease-what-if.json", "application/json"
+    download(c1, "Report (HTML)", job.html_path.read_bytes(), "kvlease-what-if.html", "text/html")
+    download(
+        c2,
+        "Report (JSON)",
+        job.report_path.read_bytes(),
+        "kvlease-what-if.json",
+        "application/json",
     )
     st.subheader("Per tier, current -> proposed")
     st.dataframe(whatif.tier_table(value), hide_index=True, key="whatif_tiers_table")

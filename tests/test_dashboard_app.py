@@ -128,6 +128,8 @@ def test_usage_page_shows_tenants_costs_and_the_downloads(page, november_ledger,
         "Statement CSV",
         "Printable statement (HTML)",
     ]
+    # A click only downloads: its rerun could drop the deferred CSV before it is fetched.
+    assert all(b.proto.ignore_rerun for b in app.get("download_button"))
     assert [t.label for t in app.tabs] == [
         "Tenants",
         "Over time",
@@ -235,6 +237,7 @@ def test_what_if_page_replays_a_trace_in_the_background_and_shows_both_sides(pag
     assert len(app.get("plotly_chart")) == 6
     labels = [b.proto.label for b in app.get("download_button")]
     assert labels == ["Report (HTML)", "Report (JSON)"]
+    assert all(b.proto.ignore_rerun for b in app.get("download_button"))
     assert headline in job.html_path.read_text()
     folder = job.folder
     job.stop()

@@ -140,6 +140,28 @@ def _page(browser, **options):
     return page
 
 
+def _download(page, button, path: Path) -> Path:
+    """Click a download button and save its file at `path`. When Streamlit could not make
+    the file it says so under the button for 5 s: that fails at once, with its words,
+    instead of after the hang deadline."""
+    downloads = []
+
+    def keep(download) -> None:
+        downloads.append(download)
+
+    page.on("download", keep)
+    button.click()
+    said = page.locator("[data-testid='stDownloadButtonError']")
+    for _ in range(HANG_MS // 250):  # a hang's deadline, in polls that let events in
+        if downloads or said.count():
+            break
+        page.wait_for_timeout(250)
+    page.remove_listener("download", keep)
+    assert downloads, f"no download; the button said {said.all_inner_texts()}"
+    downloads[0].save_as(path)
+    return path
+
+
 # Points above zero in each plotly chart, from the traces plotly.js decoded (_fullData).
 PLOTTED_POINTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(
     el => (el._fullData || []).reduce(
@@ -213,10 +235,7 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     button = page.get_by_role("button", name="Download FOCUS CSV")
     button.wait_for()
     page.locator(".js-plotly-plot .xtick", has_text="premium-a").first.wait_for()
-    with page.expect_download() as download:
-        button.click()
-    got = tmp_path / "page.csv"
-    download.value.save_as(got)
+    got = _download(page, button, tmp_path / "page.csv")
     expected = tmp_path / "cli.csv"
     export = ["usage", "export", "--usage-db", pressured_ledger, "--granularity", "day"]
     assert main([*export, "-o", str(expected)]) == 0
@@ -230,10 +249,8 @@ def test_browser_downloads_the_cli_csv_from_the_usage_page(
     bars.first.wait_for()
     page.get_by_role("tab", name="Statement").click()
     page.get_by_text("Statement total").first.wait_for()
-    with page.expect_download() as download:
-        page.get_by_role("button", name="Printable statement (HTML)").click()
-    statement = tmp_path / "statement.html"
-    download.value.save_as(statement)
+    button = page.get_by_role("button", name="Printable statement (HTML)")
+    statement = _download(page, button, tmp_path / "statement.html")
     assert "Usage statement" in statement.read_text() and "Total (USD)" in statement.read_text()
     page.get_by_role("tab", name="Reconciliation").click()
     page.get_by_text("Ledger totals against the increase").first.wait_for()
