@@ -133,8 +133,8 @@ def browser():
 
 
 def _page(browser, **options):
-    """A page whose every wait (a click's, a download's) has the hang deadline, not
-    Playwright's 30 s: a Streamlit rerun before a download can take longer on busy cores."""
+    """A page whose every wait (a click's, an element's) has the hang deadline, not
+    Playwright's 30 s: on busy cores the page has taken longer to draw."""
     page = browser.new_page(**options)
     page.set_default_timeout(HANG_MS)
     return page
