@@ -146,7 +146,7 @@ def _download(page, button, path: Path) -> Path:
     instead of after the hang deadline."""
     downloads = []
 
-    def keep(download) -> None:
+    def keep(download) -> None:  # not `downloads.append`: Playwright tags its handlers
         downloads.append(download)
 
     page.on("download", keep)
