@@ -719,8 +719,8 @@ class TenantSchedulingMixin(_SchedulerBase):
         step may free a block and hand it on, so the step's output would not say who took
         it from the cache; the log is reported at the end of the step). A running request whose
         next tokens fit in blocks nobody reserves goes to vLLM's call from this one frame:
-        there a reservation changes nothing and the allocation cannot fail; one whose tokens
-        take no new block (most decodes) goes first, with nothing noted: it evicts nothing.
+        there a reservation changes nothing and the allocation cannot fail. One whose tokens
+        take no new block (most decodes) is not even noted as the taker: it evicts nothing.
         vLLM makes that call (tokens, lookahead) for every running request every step: it is
         forwarded without packing the arguments again (the frame's cost a call: 0.16 us,
         0.47 us with it).
