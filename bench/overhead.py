@@ -11,15 +11,14 @@ as many new ones arrive (outside the timed part), so the engine stays in a
 steady state of prefills and decodes with `n` requests running at most
 (`max_num_seqs`) and a backlog of n/4 waiting:
 - no pressure: the pool holds every request at its largest (4 blocks), beside
-  every tier's leases at their caps (both schedulers);
+  every tier's leases at their caps (every scheduler's pool);
 - pressure: the pool holds 3 blocks per running request, so growing requests
   are preempted every few steps and re-admitted. The two may schedule different
   numbers of requests a step here: the ratio per scheduled request compares the cost
-  of the same work. A fourth scheduler, kvlease with nothing reserved (`reserve =
-  never`), shows what the reservations take from the requests scheduled per step, and
-  a fifth, kvlease with every mechanism off (EVERY_MECHANISM_OFF), what the policy
-  costs beside kvlease's bookkeeping (tier queues, attribution, accounting), which
-  stays on;
+  of the same work. Two more kvleases show what the reservations take from the
+  requests scheduled per step (nothing reserved: `reserve = never`) and what the
+  policy costs beside kvlease's bookkeeping (tier queues, attribution, accounting),
+  which stays on (every mechanism off: EVERY_MECHANISM_OFF);
 - pressure, chat turns: the same pool, and requests that are the turns of chat
   sessions (`Load`'s chat mode: three turns, each prompt the session's context so far
   plus 4 tokens, 32-token replies), so sessions end turns, think and come back, and
@@ -29,15 +28,20 @@ steady state of prefills and decodes with `n` requests running at most
   hold back (the most blocks reserved, the requests scheduled a step beside kvlease
   with nothing reserved) and what they buy: each next turn's share of its earlier
   context found in the prefix cache, per tier.
-Requests come from 32 tenants in the three tiers (1:3:8). In the first two loads each
+Requests come from 32 tenants in the three tiers (1:3:8), each carrying its tier's
+priority, as kvlease's middleware sets it. Stock is vLLM's default FCFS; stock PRIORITY
+(`--scheduling-policy priority`), which orders the waiting queue by tier and preempts
+the least important, is timed in the same rotation: it is what an operator runs for
+tiers without kvlease, and the policy benchmark's baseline. In the first two loads each
 tenant has one session, always with requests in flight, so no turn ends and no
 reservation window opens: they time the reservation's bookkeeping, not what it holds
 back; the chat load does both.
-The schedulers (stock, the kvleases, and stock again for the noise floor) are timed
-together, one step of each in turn, so every one meets the same drift of the
-machine's speed, each going first in turn, `--repeats` times, with the heap frozen
-for the garbage collector as vLLM's EngineCore freezes it after start; each figure
-is the fastest repeat's mean step, as timeit reports. Results: bench/results/overhead.*
+The schedulers (stock, stock PRIORITY, the kvleases, and stock again for the noise
+floor) are timed together, one step of each in turn, so every one meets the same drift
+of the machine's speed, each going first in turn, `--repeats` times, with the heap
+frozen for the garbage collector as vLLM's EngineCore freezes it after start; each
+figure is the fastest repeat's mean step, as timeit reports. Results:
+bench/results/overhead.*
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from typing import Any
 from bench import report
 from kvlease.demo.workload import TIERS
 from kvlease.engine.tenancy import TierTable
-from kvlease.replay.synthetic import BLOCK, make_request, make_scheduler, step
+from kvlease.replay.synthetic import BLOCK, Policy, make_request, make_scheduler, step
 
 SIZES = (64, 256, 1024)
 LOADS = ((False, False), (True, False), (True, True))  # (pressure, chat) of each table block
@@ -76,6 +80,8 @@ EVERY_MECHANISM_OFF = {
     "fair_share": False,
     "victim_rule": "lru",
 }
+# Each tier's vLLM priority, which kvlease's middleware sets on its requests
+PRIORITY = {name: tier.priority for name, tier in TierTable.shipped().items()}
 
 
 def tier_of(i: int) -> str:
@@ -136,7 +142,8 @@ class Load:
 
     def _steady(self) -> Any:
         i = len(self.sent) % 32
-        return make_request(f"t{i:02d}", tier_of(i), PROMPT, OUTPUT, f"t{i:02d}")
+        tier = tier_of(i)
+        return make_request(f"t{i:02d}", tier, PROMPT, OUTPUT, f"t{i:02d}", priority=PRIORITY[tier])
 
     def _chat_turn(self) -> Any:
         if len(self.thinking) > self.target:  # as many think as are in flight, about
@@ -147,9 +154,11 @@ class Load:
             i, session, turn = self.sessions % 32, f"c{self.sessions}", 0
             prompt = self._fresh(CHAT_FIRST)
             self.sessions += 1
+        tier = tier_of(i)
         request = make_request(
-            f"t{i:02d}", tier_of(i), len(prompt), CHAT_OUTPUT, session, prompt=prompt
-        )
+            f"t{i:02d}", tier, len(prompt), CHAT_OUTPUT, session, prompt=prompt,
+            priority=PRIORITY[tier],
+        )  # fmt: skip
         self.in_flight[request.request_id] = (i, session, turn, prompt)
         return request
 
@@ -174,11 +183,18 @@ class Load:
 
 
 def build(
-    cls: type, model: str, n: int, pressure: bool, kvlease: dict | None = None, chat: bool = False
+    cls: type,
+    model: str,
+    n: int,
+    pressure: bool,
+    kvlease: dict | None = None,
+    chat: bool = False,
+    policy: Policy = "fcfs",
 ) -> Load:
     largest = -(-(PROMPT + OUTPUT) // BLOCK)
     blocks = n * 3 + 1 if pressure else pool_with_lease_room((n + n // 4) * largest)
-    load = Load(make_scheduler(cls, model, blocks, max_num_seqs=n, kvlease=kvlease), n, chat)
+    scheduler = make_scheduler(cls, model, blocks, max_num_seqs=n, kvlease=kvlease, policy=policy)
+    load = Load(scheduler, n, chat)
     time_steps(load, WARMUP_STEPS)
     return load
 
@@ -226,14 +242,18 @@ def measure(
     # A second stock scheduler, built after kvlease's, measures the noise floor: two
     # identical schedulers in one process differ by their place in memory and in the
     # rotation (up to 13% at 1,024 running on this machine).
-    classes = {
-        "stock": (Scheduler, None),
-        "kvlease": (TenantAwareScheduler, None),
-        "stock-again": (Scheduler, None),
-        "kvlease-unreserved": (TenantAwareScheduler, {"reserve": "never"}),
-        "kvlease-off": (TenantAwareScheduler, EVERY_MECHANISM_OFF),
+    classes: dict[str, tuple[type, dict | None, Policy]] = {
+        "stock": (Scheduler, None, "fcfs"),
+        "stock-priority": (Scheduler, None, "priority"),
+        "kvlease": (TenantAwareScheduler, None, "fcfs"),
+        "stock-again": (Scheduler, None, "fcfs"),
+        "kvlease-unreserved": (TenantAwareScheduler, {"reserve": "never"}, "fcfs"),
+        "kvlease-off": (TenantAwareScheduler, EVERY_MECHANISM_OFF, "fcfs"),
     }
-    loads = {name: build(cls, model, n, pressure, kv, chat) for name, (cls, kv) in classes.items()}
+    loads = {
+        name: build(cls, model, n, pressure, kv, chat, policy)
+        for name, (cls, kv, policy) in classes.items()
+    }
     gc.collect()
     gc.freeze()  # as vLLM's EngineCore does once started: full collections skip this heap
     # Each repeat's mean step and requests scheduled per step, per scheduler.
@@ -248,13 +268,13 @@ def measure(
             scheduled[name].append(count)
     per_step = {name: statistics.mean(counts) for name, counts in scheduled.items()}
 
-    def ratio(name: str, per_request: bool = True) -> float:
-        """`name`'s time (per scheduled request) over stock's: the median over repeats of
+    def ratio(name: str, per_request: bool = True, base: str = "stock") -> float:
+        """`name`'s time (per scheduled request) over `base`'s: the median over repeats of
         each repeat's ratio. In a repeat every scheduler steps in turn, so both meet the
         same host; the fastest repeats of two schedulers may be different repeats."""
         return statistics.median(
             (seconds[name][i] / (scheduled[name][i] if per_request else 1))
-            / (seconds["stock"][i] / (scheduled["stock"][i] if per_request else 1))
+            / (seconds[base][i] / (scheduled[base][i] if per_request else 1))
             for i in range(repeats)
         )
 
@@ -268,6 +288,9 @@ def measure(
         "ratio": ratio("kvlease", per_request=False),
         "ratio_per_request": ratio("kvlease"),
         "stock_again_ratio": ratio("stock-again", per_request=False),
+        # against stock PRIORITY, per scheduled request: kvlease, and PRIORITY against stock
+        "priority_ratio_per_request": ratio("kvlease", base="stock-priority"),
+        "priority_over_stock_per_request": ratio("stock-priority"),
         "unreserved_ratio_per_request": ratio("kvlease-unreserved"),
         "off_ratio_per_request": ratio("kvlease-off"),
         "requests_sent": {k: len(load.sent) for k, load in loads.items()},
@@ -361,8 +384,9 @@ def markdown(result: dict) -> str:
         "| requests | load | scheduled per step (stock / kvlease / kvlease, nothing "
         "reserved / every mechanism off) | stock us/step | kvlease us/step | ratio per step "
         "| ratio per scheduled request (nothing reserved / every mechanism off) "
+        "| the same against stock PRIORITY (PRIORITY against stock) "
         "| noise floor: stock / stock |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
@@ -373,6 +397,8 @@ def markdown(result: dict) -> str:
             f" | {r['stock_us']:.0f} | "
             f"{r['kvlease_us']:.0f} | {r['ratio']:.3f} | {r['ratio_per_request']:.3f} "
             f"({r['unreserved_ratio_per_request']:.3f} / {r['off_ratio_per_request']:.3f})"
+            f" | {r['priority_ratio_per_request']:.3f}"
+            f" ({r['priority_over_stock_per_request']:.3f})"
             f" | {r['stock_again_ratio']:.3f} |"
         )
     return (

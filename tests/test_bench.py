@@ -164,7 +164,7 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         assert r["stock_us"] > 0 and r["kvlease_us"] > 0
         assert min(r["requests_sent"].values()) > r["running"] * 5 // 4  # requests finished
         if not r["pressure"]:
-            assert set(r["preemptions"].values()) == {0}  # all five schedulers
+            assert set(r["preemptions"].values()) == {0}  # all six schedulers
         elif not r["chat"]:  # the same pool, smaller chat requests: stock may not run short
             assert min(r["preemptions"].values()) > 0
         assert r["stock_again_ratio"] > 0  # the noise floor: stock against itself
@@ -176,6 +176,9 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         assert r["scheduled_per_step"]["kvlease-off"] >= 0.4 * r["running"]
         assert r["ratio_per_request"] > 0 and r["unreserved_ratio_per_request"] > 0
         assert r["off_ratio_per_request"] > 0  # every mechanism off, timed alike
+        # stock PRIORITY, the tiered baseline, in the same rotation
+        assert r["priority_ratio_per_request"] > 0 and r["priority_over_stock_per_request"] > 0
+        assert r["scheduled_per_step"]["stock-priority"] >= 0.4 * r["running"]
 
 
 def test_fair_share_serves_a_heavy_and_light_tenants_of_one_tier_alike(out, kvlease_home):
