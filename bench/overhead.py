@@ -3,7 +3,7 @@
     python -m bench.overhead            # 64, 256 and 1,024 running requests, three loads
     python -m bench.overhead --quick    # fewer timed steps (smoke test)
 
-Both are real vLLM schedulers built as the engine builds them
+Each is a real vLLM scheduler built as the engine builds it
 (replay/synthetic.py) and fed a synthetic model output each step, so only
 scheduling is timed: one `schedule()` plus `update_from_output()`. Each
 request has a 60-token prompt and 64 output tokens; whenever requests finish,
@@ -13,7 +13,7 @@ steady state of prefills and decodes with `n` requests running at most
 - no pressure: the pool holds every request at its largest (4 blocks), beside
   every tier's leases at their caps (every scheduler's pool);
 - pressure: the pool holds 3 blocks per running request, so growing requests
-  are preempted every few steps and re-admitted. The two may schedule different
+  are preempted every few steps and re-admitted. The schedulers may run different
   numbers of requests a step here: the ratio per scheduled request compares the cost
   of the same work. Two more kvleases show what the reservations take from the
   requests scheduled per step (nothing reserved: `reserve = never`) and what the
