@@ -80,8 +80,7 @@ EVERY_MECHANISM_OFF = {
     "fair_share": False,
     "victim_rule": "lru",
 }
-# Each tier's vLLM priority, which kvlease's middleware sets on its requests
-PRIORITY = {name: tier.priority for name, tier in TierTable.shipped().items()}
+SHIPPED = TierTable.shipped()  # the tiers, their priorities and lease caps
 
 
 def tier_of(i: int) -> str:
@@ -142,8 +141,7 @@ class Load:
 
     def _steady(self) -> Any:
         i = len(self.sent) % 32
-        tier = tier_of(i)
-        return make_request(f"t{i:02d}", tier, PROMPT, OUTPUT, f"t{i:02d}", priority=PRIORITY[tier])
+        return self._request(i, PROMPT, OUTPUT, f"t{i:02d}")
 
     def _chat_turn(self) -> Any:
         if len(self.thinking) > self.target:  # as many think as are in flight, about
@@ -154,13 +152,21 @@ class Load:
             i, session, turn = self.sessions % 32, f"c{self.sessions}", 0
             prompt = self._fresh(CHAT_FIRST)
             self.sessions += 1
-        tier = tier_of(i)
-        request = make_request(
-            f"t{i:02d}", tier, len(prompt), CHAT_OUTPUT, session, prompt=prompt,
-            priority=PRIORITY[tier],
-        )  # fmt: skip
+        request = self._request(i, len(prompt), CHAT_OUTPUT, session, prompt)
         self.in_flight[request.request_id] = (i, session, turn, prompt)
         return request
+
+    @staticmethod
+    def _request(
+        i: int, prompt_len: int, output: int, session: str, prompt: list[int] | None = None
+    ) -> Any:
+        """A request of tenant i, with its tier's priority as kvlease's middleware sets it
+        (stock FCFS and kvlease ignore it; stock PRIORITY orders by it)."""
+        tier = tier_of(i)
+        priority = SHIPPED[tier].priority
+        return make_request(
+            f"t{i:02d}", tier, prompt_len, output, session, prompt=prompt, priority=priority
+        )
 
     def _fresh(self, count: int) -> list[int]:
         """New prompt tokens (the replay's model always answers token 7)."""
@@ -203,9 +209,8 @@ def pool_with_lease_room(live_blocks: int) -> int:
     """The smallest pool in which `live_blocks` stay free for live requests beside every
     lease at its cap, plus vLLM's null block: without pressure, leases (which reserve
     blocks from lower tiers) must not make kvlease run short where stock does not."""
-    tiers = TierTable.shipped()
     usable = live_blocks
-    while tiers.max_request_tokens(usable, 1) < live_blocks:
+    while SHIPPED.max_request_tokens(usable, 1) < live_blocks:
         usable += 1
     return usable + 1
 
