@@ -134,6 +134,8 @@ def targets_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         value = row["measured"]
         shown = "-" if value is None else f"{value:.3g}" if isinstance(value, float) else value
+        if "range" in row:  # the repeats' spread around a median
+            shown += " ({:.3g}-{:.3g})".format(*row["range"])
         lines.append(
             f"| {row['target']} | {row['wanted']} | {shown} | {'yes' if row['met'] else 'no'} |"
         )

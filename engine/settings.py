@@ -41,6 +41,7 @@ KEYS = {
 # request may pass fair share's order: the knee of bench/results/seeds.md, where ten traces
 # give the free tier's worst TTFT 1.20x stock PRIORITY's (median) against 1.54x at 0.
 FAIR_SLACK = 3000.0
+SAMPLE_SECONDS = 0.25  # how often occupancy is sampled, by default
 
 
 class SettingsError(ValueError):
@@ -52,7 +53,7 @@ class SchedulerSettings:
     tiers: TierTable
     victim_rule: VictimRule = VictimRule.LEAST_WORK
     debug_accounting: bool = False  # check the block invariant every step
-    sample_seconds: float = 0.25  # how often occupancy is integrated into block-seconds
+    sample_seconds: float = SAMPLE_SECONDS  # how often occupancy is integrated
     event_capacity: int | None = None  # None: `events_kept` decides
     effective_tflops: float | None = None  # for the recompute-vs-offload cost model
     host_link_gbps: float | None = None  # GB/s device<->host, one way
@@ -116,7 +117,7 @@ class SchedulerSettings:
             for key in ("lease_order", "admission_preemption", "class_service", "reserve_payback")
         }
         capacity = number("event_capacity", 0, None, inclusive=True)
-        sample = number("sample_seconds", 0, 0.25)
+        sample = number("sample_seconds", 0, SAMPLE_SECONDS)
         assert sample is not None
         slack = number("fair_slack", 0, FAIR_SLACK, inclusive=True)
         assert slack is not None

@@ -175,10 +175,40 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         assert r["scheduled_per_step"]["kvlease"] >= 0.4 * r["running"]
         assert r["scheduled_per_step"]["kvlease-off"] >= 0.4 * r["running"]
         assert r["ratio_per_request"] > 0 and r["unreserved_ratio_per_request"] > 0
+        low, high = r["ratio_per_request_range"]  # the repeats' spread around their median
+        assert low <= r["ratio_per_request"] <= high
         assert r["off_ratio_per_request"] > 0  # every mechanism off, timed alike
         # stock PRIORITY, the tiered baseline, in the same rotation
         assert r["priority_ratio_per_request"] > 0 and r["priority_over_stock_per_request"] > 0
         assert r["scheduled_per_step"]["stock-priority"] >= 0.4 * r["running"]
+
+
+def test_the_overhead_benchmarks_chat_figures_repeat_to_the_token(demo_model):
+    """In bench/overhead kvlease's clock follows the steps, not the machine's speed, so what
+    it decides on that clock (reservation windows, from the think times it measures) repeats:
+    two chat loads schedule and hit alike, step by step. Its occupancy sample, which decides
+    nothing, is the bench's to take, on the scheduler's busy time."""
+    from bench.overhead import SAMPLE_SECONDS, TICK, build, time_steps
+    from kvlease.engine.vllm_scheduler import TenantAwareScheduler
+
+    runs = []
+    for _ in range(2):
+        load = build(TenantAwareScheduler, demo_model, 16, pressure=True, chat=True)
+        scheduled = [time_steps(load, 1)[1] for _ in range(80)]
+        runs.append(
+            (scheduled, load.turns_back, load.cached, load.reserved_most, load.preemptions())
+        )
+    assert runs[0] == runs[1]
+    assert runs[0][1] > 0 and runs[0][3] > 0  # turns came back; blocks were reserved
+    kv = load.scheduler.kvlease
+    start = kv.clock()
+    load.sampled = float("inf")  # no sample due on busy time: kvlease's own clock takes none
+    last = kv.last_sample
+    time_steps(load, 3)
+    assert kv.clock() == pytest.approx(start + 3 * TICK) and kv.last_sample == last
+    load.sampled = load.busy - SAMPLE_SECONDS  # one due: taken as the step begins
+    time_steps(load, 1)
+    assert kv.last_sample == pytest.approx(start + 3 * TICK)
 
 
 def test_fair_share_serves_a_heavy_and_light_tenants_of_one_tier_alike(out, kvlease_home):
