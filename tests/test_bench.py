@@ -155,6 +155,10 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
     rows = {(r["running"], r["pressure"], r["chat"]) for r in result["rows"]}
     loads = ((False, False), (True, False), (True, True))
     assert rows == {(n, p, c) for n in (64, 256, 1024) for p, c in loads}
+    from bench.overhead import series
+
+    lines = series(result["rows"])  # the picture: one line per load, a point per size
+    assert len(lines) == 3 and all(xs == [64, 256, 1024] for xs, _ in lines.values())
     for r in result["rows"]:
         if r["chat"]:  # sessions end turns and come back: reservations are at work
             assert min(r["turns_back"].values()) > 0 and r["reserved_most"] > 0
