@@ -121,8 +121,8 @@ class Load:
         self.reserved_most = 0  # kvlease: most blocks reserved after a step
         self.steps = 0  # steps this scheduler has taken
         self.sampled = 0.0  # its busy time at kvlease's last occupancy sample
-        self.samples = hasattr(scheduler, "kvlease")
-        if self.samples:
+        self.takes_samples = hasattr(scheduler, "kvlease")  # kvlease's occupancy samples
+        if self.takes_samples:
             # kvlease's clock follows the steps, TICK seconds each, so what it decides on
             # that clock (reservation windows from the think times sessions show, leases)
             # repeats to the token, whatever the machine's speed. Its occupancy sample,
@@ -136,7 +136,7 @@ class Load:
     def sample_if_due(self) -> None:
         """kvlease's occupancy sample, every SAMPLE_SECONDS of this scheduler's busy time
         (inside the timed step: what `schedule()` does first when a sample is due)."""
-        if self.samples and self.busy - self.sampled >= SAMPLE_SECONDS:
+        if self.takes_samples and self.busy - self.sampled >= SAMPLE_SECONDS:
             self.scheduler.sample_accounting()
             self.sampled = self.busy
 
@@ -219,10 +219,10 @@ def build(
     chat: bool = False,
     policy: Policy = "fcfs",
 ) -> Load:
-    largest = -(-(PROMPT + OUTPUT) // BLOCK)
-    blocks = n * 3 + 1 if pressure else pool_with_lease_room((n + n // 4) * largest)
     from kvlease.engine.vllm_scheduler import TenantSchedulingMixin
 
+    largest = -(-(PROMPT + OUTPUT) // BLOCK)
+    blocks = n * 3 + 1 if pressure else pool_with_lease_room((n + n // 4) * largest)
     if issubclass(cls, TenantSchedulingMixin):  # `Load` takes kvlease's occupancy samples
         kvlease = {**(kvlease or {}), **SAMPLES_OFF}
     scheduler = make_scheduler(cls, model, blocks, max_num_seqs=n, kvlease=kvlease, policy=policy)
