@@ -225,12 +225,22 @@ def _frontier_points(
 
 
 def plot_lines(
-    path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]]
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: dict[str, tuple[list, list]],
+    targets: dict[str, float] | None = None,
 ) -> None:
+    """One line per series; `targets` (label -> value) as dashed horizontal lines."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label)
+    for label, value in (targets or {}).items():
+        ax.axhline(value, linestyle="--", linewidth=1, color="grey")
+        ax.annotate(label, (0, value), xycoords=("axes fraction", "data"), xytext=(4, 2),
+                    textcoords="offset points", fontsize=8, color="grey")  # fmt: skip
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
