@@ -244,15 +244,20 @@ def main() -> int:
     }
     name = "fairness-quick" if args.quick else "fairness"
     report.write(args.out, name, result, markdown(result))
+    plot(ways, args.out / f"{name}.png")
+    print(markdown(result))
+    return 0
+
+
+def plot(ways: dict[str, dict], path: Path) -> None:
+    """Weighted service per tenant, one line per way, the tenants named on the axis."""
     report.plot_lines(
-        args.out / f"{name}.png",
+        path,
         "Weighted service per tenant (heavy first)",
         "tenant",
         "weighted tokens served",
-        {way: (list(range(len(TENANTS))), list(w["service"].values())) for way, w in ways.items()},
+        {way: (list(w["service"]), list(w["service"].values())) for way, w in ways.items()},
     )
-    print(markdown(result))
-    return 0
 
 
 if __name__ == "__main__":
