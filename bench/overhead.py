@@ -5,9 +5,11 @@
 
 Each is a real vLLM scheduler built as the engine builds it
 (replay/synthetic.py) and fed a synthetic model output each step, so only
-scheduling is timed: one `schedule()` plus `update_from_output()`. Each
+scheduling is timed: one `schedule()` plus `update_from_output()`, and the
+scheduler's `add_request` for each request that arrives before the next step (the
+engine core calls it between steps; building the request is not timed). Each
 request has a 60-token prompt and 64 output tokens; whenever requests finish,
-as many new ones arrive (outside the timed part), so the engine stays in a
+as many new ones arrive, so the engine stays in a
 steady state of prefills and decodes with `n` requests running at most
 (`max_num_seqs`) and a backlog of n/4 waiting:
 - no pressure: the pool holds every request at its largest (4 blocks), beside
@@ -122,6 +124,7 @@ class Load:
         self.hits: dict[str, int] = {}  # request id -> its prefix-cache hit when scheduled
         self.reserved_most = 0  # kvlease: most blocks reserved after a step
         self.steps = 0  # steps this scheduler has taken
+        self.adds, self.add_seconds = 0, 0.0  # its `add_request` calls and their time
         self.sampled = 0.0  # its busy time at kvlease's last occupancy sample
         self.kv = getattr(scheduler, "kvlease", None)  # kvlease's state; None on stock
         if self.kv is not None:
@@ -152,15 +155,24 @@ class Load:
                 if o.prefill_stats is not None and o.request_id not in self.hits:
                     self.hits[o.request_id] = o.prefill_stats.num_cached_tokens
 
-    def top_up(self) -> None:
+    def top_up(self) -> float:
+        """New requests for those that finished; returns the seconds the scheduler's
+        `add_request` took for them (scheduler time: the engine core calls it between
+        steps), not counting building them."""
         if self.kv is not None:
             self.reserved_most = max(self.reserved_most, self.kv.free_queue.reserved_blocks)
         if self.chat:
             self._end_turns()
+        took = 0.0
         while len(self.scheduler.requests) < self.target:
             request = self._chat_turn() if self.chat else self._steady()
+            started = time.perf_counter()
             self.scheduler.add_request(request)
+            took += time.perf_counter() - started
             self.sent.append(request)
+            self.adds += 1
+        self.add_seconds += took
+        return took
 
     def _steady(self) -> Any:
         i = len(self.sent) % 32
@@ -240,7 +252,8 @@ def pool_with_lease_room(live_blocks: int) -> int:
 
 
 def time_steps(load: Load, steps: int) -> tuple[float, float]:
-    """Mean seconds per step, and the mean number of requests scheduled in them."""
+    """Mean seconds per step (with its arrivals' `add_request`), and the mean number of
+    requests scheduled in them."""
     return time_together([load], steps)[0]
 
 
@@ -256,10 +269,10 @@ def time_together(loads: list[Load], steps: int) -> list[tuple[float, float]]:
             took = time.perf_counter() - started
             load.steps += 1
             load.note(outputs)
+            took += load.top_up()  # the arrivals before its next step
             seconds[i] += took
             load.busy += took
             scheduled[i] += len(out.num_scheduled_tokens)
-            load.top_up()
     return [(seconds[i] / steps, scheduled[i] / steps) for i in range(len(loads))]
 
 
@@ -291,12 +304,19 @@ def measure(
     seconds: dict[str, list[float]] = {name: [] for name in classes}
     scheduled: dict[str, list[float]] = {name: [] for name in classes}
     names = list(classes)
+    adding: dict[str, list[float]] = {name: [] for name in classes}  # per arrival
     for i in range(repeats):
         rotated = report.rotated(names, i)
+        before = {name: (loads[name].adds, loads[name].add_seconds) for name in names}
         timed = time_together([loads[name] for name in rotated], steps)
         for name, (took, count) in zip(rotated, timed, strict=True):
             seconds[name].append(took)
             scheduled[name].append(count)
+            adds, add_seconds = before[name]
+            if loads[name].adds > adds:
+                adding[name].append(
+                    (loads[name].add_seconds - add_seconds) / (loads[name].adds - adds)
+                )
     per_step = {name: statistics.mean(counts) for name, counts in scheduled.items()}
 
     def ratios(name: str, per_request: bool = True, base: str = "stock") -> list[float]:
@@ -330,6 +350,10 @@ def measure(
         "priority_ratio_per_request": ratio("kvlease", base="stock-priority"),
         "priority_over_stock_per_request": ratio("stock-priority"),
         "unreserved_ratio_per_request": ratio("kvlease-unreserved"),
+        # each scheduler's `add_request`, microseconds per arriving request (part of its
+        # steps): the fastest repeat's mean, as for the steps (a collection of the garbage
+        # collector's that happens to start in one costs a millisecond or more)
+        "add_us": {k: min(v, default=0.0) * 1e6 for k, v in adding.items()},
         "off_ratio_per_request": ratio("kvlease-off"),
         "requests_sent": {k: len(load.sent) for k, load in loads.items()},
         "preemptions": {k: load.preemptions() for k, load in loads.items()},
@@ -459,9 +483,27 @@ def markdown(result: dict) -> str:
         + "\n\n"
         + bought(result["rows"])
         + "\n\n"
+        + arrivals(result["rows"])
+        + "\n\n"
         + report.targets_table(result["targets"])
         + "\n"
     )
+
+
+def arrivals(rows: list[dict]) -> str:
+    """What one arriving request costs each scheduler in `add_request` (part of the steps'
+    times above): kvlease classifies it (tenant, tier, session, lease, fair-share account)
+    and files it in its tier's queue."""
+    names = ("stock", "stock-priority", "kvlease", "kvlease-off")
+    lines = [
+        "| requests | load | add_request, us per arriving request (stock / stock PRIORITY "
+        "/ kvlease / every mechanism off) |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        figures = " / ".join(f"{r['add_us'][name]:.1f}" for name in names)
+        lines.append(f"| {r['running']:,} | {_load(r)} | {figures} |")
+    return "\n".join(lines)
 
 
 def bought(rows: list[dict]) -> str:

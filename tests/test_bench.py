@@ -166,6 +166,7 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         else:  # one session per tenant, always in flight: no turn ends, nothing reserved
             assert set(r["turns_back"].values()) == {0} and r["reserved_most"] == 0
         assert r["stock_us"] > 0 and r["kvlease_us"] > 0
+        assert all(us > 0 for us in r["add_us"].values())  # arrivals were added, and timed
         assert min(r["requests_sent"].values()) > r["running"] * 5 // 4  # requests finished
         if not r["pressure"]:
             assert set(r["preemptions"].values()) == {0}  # all six schedulers
