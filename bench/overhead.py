@@ -2,6 +2,7 @@
 
     python -m bench.overhead            # 64, 256 and 1,024 running requests, three loads
     python -m bench.overhead --quick    # fewer timed steps (smoke test)
+    python -m bench.overhead --mechanisms   # and kvlease with each mechanism off
 
 Each is a real vLLM scheduler built as the engine builds it
 (replay/synthetic.py) and fed a synthetic model output each step, so only
@@ -20,7 +21,10 @@ steady state of prefills and decodes with `n` requests running at most
   of the same work. Two more kvleases show what the reservations take from the
   requests scheduled per step (nothing reserved: `reserve = never`) and what the
   policy costs beside kvlease's bookkeeping (tier queues, attribution, accounting),
-  which stays on (every mechanism off: EVERY_MECHANISM_OFF);
+  which stays on (every mechanism off: EVERY_MECHANISM_OFF). With `--mechanisms`, five
+  more each turn one other mechanism off (MECHANISMS_OFF, named as bench/policy's
+  ablations), a run of its own: eleven schedulers in the rotation instead of six
+  read kvlease a few points higher against stock, so the headline runs without them;
 - pressure, chat turns: the same pool, and requests that are the turns of chat
   sessions (`Load`'s chat mode: three turns, each prompt the session's context so far
   plus 4 tokens, 32-token replies), so sessions end turns, think and come back, and
@@ -47,7 +51,7 @@ repeats' ratios, and the targets table gives their range.
 kvlease's clock follows the steps (TICK seconds each), so its decisions, and with them
 requests scheduled a step, preemptions and next-turn hits, repeat to the token; only its
 occupancy sample, which decides nothing, comes on its busy time (`Load.sample_if_due`).
-Results: bench/results/overhead.*
+Results: bench/results/overhead.* (overhead-mechanisms.* with `--mechanisms`)
 """
 
 from __future__ import annotations
@@ -86,6 +90,15 @@ EVERY_MECHANISM_OFF = {
     "class_service": False,
     "fair_share": False,
     "victim_rule": "lru",
+}
+# One mechanism off at a time (bench.policy's ablations of that name; `reserve-never` is
+# `kvlease-unreserved`): what each costs per scheduled request
+MECHANISMS_OFF = {
+    "no-lease-order": {"lease_order": False},
+    "no-admission": {"admission_preemption": False},
+    "fifo": {"fair_share": False},
+    "fcfs-service": {"class_service": False},
+    "no-payback": {"reserve_payback": False},
 }
 SHIPPED = TierTable.shipped()  # the tiers, their priorities and lease caps
 # Issue 30's targets: scheduler time per scheduled request over stock's, by pressure
@@ -277,8 +290,16 @@ def time_together(loads: list[Load], steps: int) -> list[tuple[float, float]]:
 
 
 def measure(
-    model: str, n: int, pressure: bool, steps: int, repeats: int, chat: bool = False
+    model: str,
+    n: int,
+    pressure: bool,
+    steps: int,
+    repeats: int,
+    chat: bool = False,
+    mechanisms: bool = False,
 ) -> dict[str, Any]:
+    """One row: every scheduler timed together; with `mechanisms`, five more kvleases,
+    each with one mechanism off (MECHANISMS_OFF), in the same rotation."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kvlease.engine.vllm_scheduler import TenantAwareScheduler
@@ -294,6 +315,11 @@ def measure(
         "kvlease-unreserved": (TenantAwareScheduler, {"reserve": "never"}, "fcfs"),
         "kvlease-off": (TenantAwareScheduler, EVERY_MECHANISM_OFF, "fcfs"),
     }
+    if mechanisms:
+        classes.update(
+            (f"kvlease-{name}", (TenantAwareScheduler, settings, "fcfs"))
+            for name, settings in MECHANISMS_OFF.items()
+        )
     loads = {
         name: build(cls, model, n, pressure, kv, chat, policy)
         for name, (cls, kv, policy) in classes.items()
@@ -335,7 +361,7 @@ def measure(
 
     spread = ratios("kvlease")  # per scheduled request, against stock
 
-    return {
+    row = {
         "running": n,
         "pressure": pressure,
         "chat": chat,
@@ -366,6 +392,11 @@ def measure(
             for k, load in loads.items()
         },
     }
+    if mechanisms:  # one mechanism off at a time, per scheduled request against stock
+        row["mechanism_off_ratio_per_request"] = {
+            name: ratio(f"kvlease-{name}") for name in MECHANISMS_OFF
+        }
+    return row
 
 
 def main() -> int:
@@ -374,6 +405,11 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="default: the demo model's config")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--mechanisms", action="store_true",
+        help="also time kvlease with each mechanism off, in the same rotation (a run of its "
+        "own: overhead-mechanisms.*; more schedulers in the rotation read kvlease higher)",
+    )  # fmt: skip
     args = parser.parse_args()
     from kvlease.demo.model import ensure_demo_model
 
@@ -382,7 +418,7 @@ def main() -> int:
     rows = []
     for pressure, chat in LOADS:
         for n in SIZES:
-            row = measure(model, n, pressure, steps, repeats, chat)
+            row = measure(model, n, pressure, steps, repeats, chat, args.mechanisms)
             rows.append(row)
             print(
                 f"  {n:5} running, {_load(row):22}: "
@@ -390,6 +426,12 @@ def main() -> int:
                 f"ratio {row['ratio']:.3f} (stock / stock {row['stock_again_ratio']:.3f})",
                 flush=True,
             )
+    suffix = "-quick" if args.quick else ""
+    if args.mechanisms:
+        result = {"steps": steps, "repeats": repeats, "rows": rows, "machine": report.machine()}
+        report.write(args.out, f"overhead-mechanisms{suffix}", result, mechanisms(rows) + "\n")
+        print(mechanisms(rows))
+        return 0
     targets = [
         {
             "target": f"Scheduler time per scheduled request at {r['running']:,} running"
@@ -419,9 +461,8 @@ def main() -> int:
         "targets": targets,
         "machine": report.machine(),
     }
-    name = "overhead-quick" if args.quick else "overhead"
-    report.write(args.out, name, result, markdown(result))
-    plot(rows, args.out / f"{name}.png")
+    report.write(args.out, f"overhead{suffix}", result, markdown(result))
+    plot(rows, args.out / f"overhead{suffix}.png")
     print(markdown(result))
     return 0
 
@@ -488,6 +529,25 @@ def markdown(result: dict) -> str:
         + report.targets_table(result["targets"])
         + "\n"
     )
+
+
+def mechanisms(rows: list[dict]) -> str:
+    """Each mechanism's cost, by turning it off: kvlease's time per scheduled request over
+    stock's, as shipped, with one mechanism off, and with every one off."""
+    names = ("reserve-never", *MECHANISMS_OFF)
+    lines = [
+        "| requests | load | kvlease | " + " | ".join(names) + " | every mechanism off |",
+        "|---|---|---|" + "---|" * (len(names) + 1),
+    ]
+    for r in rows:
+        off = {"reserve-never": r["unreserved_ratio_per_request"]}
+        off.update(r["mechanism_off_ratio_per_request"])
+        lines.append(
+            f"| {r['running']:,} | {_load(r)} | {r['ratio_per_request']:.3f} | "
+            + " | ".join(f"{off[name]:.3f}" for name in names)
+            + f" | {r['off_ratio_per_request']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def arrivals(rows: list[dict]) -> str:

@@ -169,7 +169,7 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         assert all(us > 0 for us in r["add_us"].values())  # arrivals were added, and timed
         assert min(r["requests_sent"].values()) > r["running"] * 5 // 4  # requests finished
         if not r["pressure"]:
-            assert set(r["preemptions"].values()) == {0}  # all six schedulers
+            assert set(r["preemptions"].values()) == {0}  # every scheduler
         elif not r["chat"]:  # the same pool, smaller chat requests: stock may not run short
             assert min(r["preemptions"].values()) > 0
         assert r["stock_again_ratio"] > 0  # the noise floor: stock against itself
@@ -186,6 +186,20 @@ def test_overhead_benchmark_times_both_schedulers_at_every_size(out, kvlease_hom
         # stock PRIORITY, the tiered baseline, in the same rotation
         assert r["priority_ratio_per_request"] > 0 and r["priority_over_stock_per_request"] > 0
         assert r["scheduled_per_step"]["stock-priority"] >= 0.4 * r["running"]
+
+
+def test_the_overhead_benchmark_times_each_mechanism_off_in_the_same_rotation(demo_model):
+    """`--mechanisms`: beside the six schedulers, kvlease with each mechanism off in turn,
+    stepped in the same rotation; its table has a column per mechanism."""
+    from bench.overhead import MECHANISMS_OFF, measure, mechanisms
+
+    row = measure(demo_model, 16, pressure=True, steps=5, repeats=1, mechanisms=True)
+    assert set(row["mechanism_off_ratio_per_request"]) == set(MECHANISMS_OFF)
+    assert all(ratio > 0 for ratio in row["mechanism_off_ratio_per_request"].values())
+    assert {f"kvlease-{name}" for name in MECHANISMS_OFF} <= set(row["requests_sent"])
+    header, _, line = mechanisms([row]).splitlines()
+    assert line.count("|") == header.count("|") == len(MECHANISMS_OFF) + 6
+    assert "mechanism_off_ratio_per_request" not in measure(demo_model, 16, True, 5, 1)
 
 
 def test_the_overhead_benchmarks_chat_figures_repeat_to_the_token(demo_model):
