@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
+from bench.policy import ABLATION_SETTINGS
 from kvlease.demo.workload import TIERS
 from kvlease.engine.settings import SAMPLE_SECONDS
 from kvlease.engine.tenancy import TierTable
@@ -91,14 +92,12 @@ EVERY_MECHANISM_OFF = {
     "fair_share": False,
     "victim_rule": "lru",
 }
-# One mechanism off at a time (bench.policy's ablations of that name; `reserve-never` is
-# `kvlease-unreserved`): what each costs per scheduled request
+# One mechanism off at a time: bench.policy's ablations that turn one off (`reserve-never`
+# is `kvlease-unreserved`; `reserve-lease`, `strict-fair` and `lru` change one instead):
+# what each costs per scheduled request
 MECHANISMS_OFF = {
-    "no-lease-order": {"lease_order": False},
-    "no-admission": {"admission_preemption": False},
-    "fifo": {"fair_share": False},
-    "fcfs-service": {"class_service": False},
-    "no-payback": {"reserve_payback": False},
+    name: ABLATION_SETTINGS[name]
+    for name in ("no-lease-order", "no-admission", "fifo", "fcfs-service", "no-payback")
 }
 SHIPPED = TierTable.shipped()  # the tiers, their priorities and lease caps
 # Issue 30's targets: scheduler time per scheduled request over stock's, by pressure
