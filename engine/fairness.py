@@ -47,8 +47,10 @@ class Account:
         """`tokens` of service, INPUT_COST / OUTPUT_COST already applied. O(1)."""
         self.served += tokens
         self.counter += tokens / self.weight
-        if self.waiting:
-            book = self.book
+        book = self.book
+        if book.ending is not None:  # between an admission's pop and its charge
+            book.charged_while_ending(self, tokens)
+        elif self.waiting:
             book.vtime += tokens / book.weights
 
 
@@ -73,6 +75,12 @@ class FairShare:
       is its weight times `vtime`'s growth over it, and the entitlements of a stretch add
       up to the service backlogged tenants received in it. A backlog that ends before a
       settlement is kept in `closed` until then (its account may be forgotten meanwhile).
+    - a backlog ends with the admission of its last waiting request, charge included: the
+      prompt is the service that request waited for. Until then its account is `ending`
+      (out of the heap, still in `weights`); the account's next charge, or any other
+      change to the books, closes it. Otherwise a tenant with one request at a time was
+      booked an entitlement and never any service: a fair-share ratio of 0, and an alert,
+      for a tenant served exactly its share.
     Costs: `charge` O(1); `enqueued` O(log n); `next` O(log n) amortised (each stale
     entry is refreshed once per change of its counter); `released` O(log n); `shares`
     O(backlogged + closed since the last settlement).
@@ -85,6 +93,7 @@ class FairShare:
     backlogged: int = 0  # accounts with a request waiting
     # tenant -> [served, entitled] of backlogs that ended since the last settlement
     closed: dict[str, list[float]] = field(default_factory=dict)
+    ending: Account | None = None  # its last waiting request was just taken, not yet charged
     _heap: list[tuple[float, int, Account]] = field(default_factory=list)
     _idle: list[tuple[float, int, Account]] = field(default_factory=list)
     _seq: itertools.count[int] = field(default_factory=itertools.count)
@@ -92,6 +101,7 @@ class FairShare:
     def account(self, tenant: str, weight: float, request_id: str) -> Account:
         """The account of `request_id`'s tenant, opened if new (at the floor: a newcomer
         is lifted anyway)."""
+        self._end()
         a = self.accounts.get(tenant)
         if a is None:
             a = self.accounts[tenant] = Account(tenant, weight, self, self.floor)
@@ -105,6 +115,7 @@ class FairShare:
 
     def released(self, a: Account, request_id: str) -> None:
         """`request_id` left the engine; forget the account once idle at the floor."""
+        self._end()
         a.requests.discard(request_id)
         if not a.requests:
             heapq.heappush(self._idle, (a.counter, next(self._seq), a))
@@ -114,6 +125,7 @@ class FairShare:
         """A new request of `a` joined the waiting queue. A tenant that becomes backlogged
         is lifted to the smallest backlogged counter: idleness banks no credit. (A request
         put back after a preemption is not new: the waiting queue resumes it first.)"""
+        self._end()
         a.waiting += 1
         if a.waiting == 1:  # backlogged again: lift, then compete
             a.mark, a.vmark = a.served, self.vtime
@@ -124,9 +136,30 @@ class FairShare:
             heapq.heappush(self._heap, (a.counter, next(self._seq), a))
 
     def dequeued(self, a: Account) -> None:
-        """A request of `a` left the waiting queue (admitted or aborted)."""
+        """A request of `a` left the waiting queue (admitted, put back or aborted). If it
+        was the last, the backlog ends with its admission's charge (`charged_while_ending`)
+        or, if no charge of `a` comes first, at the next change to the books."""
+        self._end()
         a.waiting -= 1
-        if a.waiting == 0:  # its backlog ends: book it until the next settlement
+        if a.waiting == 0:
+            self.ending = a
+
+    def charged_while_ending(self, a: Account, tokens: float) -> None:
+        """`a.charge` while a backlog is ending: the ending account's own charge is the
+        admission it waited for, service of its backlog, which then ends; any other
+        charge first ends that backlog. O(1)."""
+        ending = self.ending
+        if a is not ending:
+            self._end()
+        if a.waiting or a is ending:
+            self.vtime += tokens / self.weights
+        self._end()
+
+    def _end(self) -> None:
+        """Close the ending backlog, if any: book it until the next settlement."""
+        a = self.ending
+        if a is not None:
+            self.ending = None
             self._close(a)
             self.backlogged -= 1
             self.weights = self.weights - a.weight if self.backlogged else 0.0  # no drift
@@ -187,6 +220,7 @@ class FairShare:
         stay. Only with nothing in flight: a counter in use cannot be forgotten."""
         if any(a.requests for a in self.accounts.values()):
             raise ValueError("fair share cannot forget counters while requests are in flight")
+        self._end()
         self.accounts.clear()
         self.floor = 0.0
         self._heap.clear()
@@ -203,7 +237,7 @@ class FairShare:
             a = self.accounts.get(tenant)
             out[tenant] = (a.counter if a is not None else self.floor, served, entitled)
         for a in self.accounts.values():
-            if a.waiting:
+            if a.waiting or a is self.ending:
                 _, served, entitled = out.get(a.tenant, (0.0, 0.0, 0.0))
                 served += a.served - a.mark
                 entitled += a.weight * (self.vtime - a.vmark)
@@ -215,6 +249,6 @@ class FairShare:
         out = self.shares()
         self.closed = {}
         for a in self.accounts.values():
-            if a.waiting:
+            if a.waiting or a is self.ending:
                 a.mark, a.vmark = a.served, self.vtime
         return out

@@ -142,7 +142,8 @@ FAIR_SERVED = Family(
     "vllm_tenant_fair_served_tokens_total",
     "counter",
     "Weighted tokens (prompt 1, generated 2) a tenant was served while it had requests "
-    "waiting. Over vllm_tenant_fair_entitled_tokens_total: its fair-share ratio.",
+    "waiting, the admission of the last one included. Over "
+    "vllm_tenant_fair_entitled_tokens_total: its fair-share ratio.",
     ("tenant_id", "tier"),
 )
 FAIR_ENTITLED = Family(

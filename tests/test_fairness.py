@@ -181,11 +181,43 @@ def test_a_backlog_that_ends_between_two_settlements_is_still_booked():
     books = {
         tenant: (served, entitled) for tenant, (_, served, entitled) in tier.share.settle().items()
     }
-    # Served in the order a, b, b, a, each charged once it left the queue: the first a and
-    # the first b were served while both were backlogged (weight 1 + 3: 2 per unit each),
-    # the second of each after its own backlog ended.
-    assert books == {"a": (8.0, 1 * (2.0 + 2.0)), "b": (8.0, 3 * (2.0 + 2.0))}
+    # Served in the order a, b, b, a, each charged once it left the queue: the first three
+    # while both were backlogged (weight 1 + 3: 2 per unit each), the second b's charge
+    # ending b's backlog, the last a alone (8 per unit).
+    assert books == {"a": (16.0, 1 * (2.0 + 2.0 + 2.0 + 8.0)), "b": (16.0, 3 * (2.0 + 2.0 + 2.0))}
     assert tier.share.settle() == {}  # booked once
+
+
+def test_a_tenant_with_one_request_at_a_time_is_booked_the_admission_it_waited_for():
+    """The prompt charged at admission is the service a waiting request waited for. Booked
+    after the backlog had ended, a tenant that never had two requests waiting read an
+    entitlement and no service beside a heavier one: a ratio of 0 and a fair-share alert
+    for a tenant served exactly its share (the demo's light free tenants, every run)."""
+    tier = Tier()
+    tier.share.settle()
+    for tenant in ("heavy", "heavy", "light"):
+        tier.arrive(Req(tenant, 10))
+    order = [tier.serve().tenant for _ in range(3)]
+    assert order == ["heavy", "light", "heavy"]
+    books = {t: (served, entitled) for t, (_, served, entitled) in tier.share.settle().items()}
+    # heavy's first and light's only request while both waited (5 per unit each), then
+    # heavy's last alone (10): each was served what it was entitled to
+    assert books == {"heavy": (20.0, 20.0), "light": (10.0, 10.0)}
+
+
+def test_a_request_taken_from_the_queue_and_put_back_is_booked_no_service_it_did_not_get():
+    """vLLM takes a request it cannot admit yet and puts it back after the step: its
+    tenant's backlog ends when the next tenant's request is charged, not with it."""
+    tier = Tier()
+    tier.share.settle()
+    skipped, other = Req("a", 10), Req("b", 10)
+    tier.arrive(skipped)
+    tier.arrive(other)
+    assert tier.bucket.pop_request() is skipped  # taken, not admitted
+    assert tier.bucket.pop_request() is other
+    tier.accounts[id(other)].charge(10)  # b's admission, alone in the backlog now
+    books = {t: (served, entitled) for t, (_, served, entitled) in tier.share.settle().items()}
+    assert books == {"a": (0.0, 0.0), "b": (10.0, 10.0)}
 
 
 @given(
