@@ -3,6 +3,7 @@
     python -m bench.overhead            # 64, 256 and 1,024 running requests, three loads
     python -m bench.overhead --quick    # fewer timed steps (smoke test)
     python -m bench.overhead --mechanisms   # and kvlease with each mechanism off
+    python -m bench.overhead --solo     # one scheduler per process, processes alternating
 
 Each is a real vLLM scheduler built as the engine builds it
 (replay/synthetic.py) and fed a synthetic model output each step, so only
@@ -51,14 +52,25 @@ repeats' ratios, and the targets table gives their range.
 kvlease's clock follows the steps (TICK seconds each), so its decisions, and with them
 requests scheduled a step, preemptions and next-turn hits, repeat to the token; only its
 occupancy sample, which decides nothing, comes on its busy time (`Load.sample_if_due`).
-Results: bench/results/overhead.* (overhead-mechanisms.* with `--mechanisms`)
+With `--solo`, stock and kvlease each run alone in a process of their own, as an engine
+core runs one scheduler, processes alternating (stock first, then kvlease first) so both
+meet the same drift; a pair's ratio is kvlease's fastest repeat over stock's, per scheduled
+request, and the figure is the median over the pairs. Sharing a process and a rotation
+reads kvlease a few points higher without pressure: each scheduler's data is colder when
+its turn comes, and kvlease touches more of it.
+Results: bench/results/overhead.* (overhead-mechanisms.* with `--mechanisms`,
+overhead-solo.* with `--solo`)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import deque
@@ -398,6 +410,70 @@ def measure(
     return row
 
 
+SOLO_SIZES = (256, 1024)  # the sizes issue 30's time targets are set at
+SOLO = {"stock": "vllm.v1.core.sched.scheduler:Scheduler",
+        "kvlease": "kvlease.engine.vllm_scheduler:TenantAwareScheduler"}  # fmt: skip
+
+
+def alone(
+    name: str, model: str, n: int, pressure: bool, chat: bool, steps: int, repeats: int
+) -> dict[str, Any]:
+    """One scheduler in this process, nothing else built: its fastest repeat's mean step
+    per scheduled request (us), and the process that ran it."""
+    module, cls = SOLO[name].split(":")  # only its own: no kvlease scheduler beside stock
+    load = build(getattr(importlib.import_module(module), cls), model, n, pressure, chat=chat)
+    gc.collect()
+    gc.freeze()
+    per_request = []
+    for _ in range(repeats):
+        seconds, scheduled = time_steps(load, steps)
+        per_request.append(seconds / scheduled * 1e6)
+    return {"name": name, "us_per_request": min(per_request), "pid": os.getpid()}
+
+
+def solo(
+    model: str, n: int, pressure: bool, chat: bool, steps: int, repeats: int, pairs: int
+) -> dict[str, Any]:
+    """One row of `--solo`: `pairs` pairs of processes, each running `alone`."""
+    runs: dict[str, list[float]] = {name: [] for name in SOLO}
+    pids = set()
+    for i in range(pairs):
+        for name in report.rotated(list(SOLO), i):
+            job = [name, model, n, pressure, chat, steps, repeats]
+            argv = [sys.executable, "-m", "bench.overhead", "--alone", json.dumps(job)]
+            done = subprocess.run(argv, capture_output=True, text=True, check=True)
+            figure = json.loads(done.stdout.splitlines()[-1])
+            runs[name].append(figure["us_per_request"])
+            pids.add(figure["pid"])
+    ratios = [k / s for s, k in zip(runs["stock"], runs["kvlease"], strict=True)]
+    return {
+        "running": n,
+        "pressure": pressure,
+        "chat": chat,
+        "us_per_request": {name: statistics.median(v) for name, v in runs.items()},
+        "ratio_per_request": statistics.median(ratios),
+        "ratio_per_request_range": (min(ratios), max(ratios)),
+        "processes": len(pids),
+    }
+
+
+def solo_table(rows: list[dict]) -> str:
+    lines = [
+        "| requests | load | stock, us per scheduled request | kvlease | kvlease / stock, "
+        "median of the pairs (range) | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        us = r["us_per_request"]
+        low, high = r["ratio_per_request_range"]
+        lines.append(
+            f"| {r['running']:,} | {_load(r)} | {us['stock']:.2f} | {us['kvlease']:.2f} | "
+            f"{r['ratio_per_request']:.3f} ({low:.3f}-{high:.3f}) | "
+            f"<= {TIME_TARGET[r['pressure']]:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timed steps")
@@ -409,10 +485,36 @@ def main() -> int:
         help="also time kvlease with each mechanism off, in the same rotation (a run of its "
         "own: overhead-mechanisms.*; more schedulers in the rotation read kvlease higher)",
     )  # fmt: skip
+    parser.add_argument(
+        "--solo", action="store_true",
+        help="stock and kvlease each alone in a process, processes alternating "
+        "(overhead-solo.*)",
+    )  # fmt: skip
+    parser.add_argument("--pairs", type=int, default=None, help="--solo: pairs of processes")
+    parser.add_argument("--alone", help=argparse.SUPPRESS)  # --solo's child: a JSON job
     args = parser.parse_args()
+    if args.alone:
+        print(json.dumps(alone(*json.loads(args.alone))))
+        return 0
     from kvlease.demo.model import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
+    suffix = "-quick" if args.quick else ""
+    if args.solo:
+        steps, repeats, pairs = (
+            (20, 2, 1) if args.quick else (200, args.repeats or 5, args.pairs or 5)
+        )
+        sizes = (64,) if args.quick else SOLO_SIZES
+        rows = [
+            solo(model, n, pressure, chat, steps, repeats, pairs)
+            for pressure, chat in LOADS
+            for n in sizes
+        ]
+        result = {"steps": steps, "repeats": repeats, "pairs": pairs, "rows": rows,
+                  "machine": report.machine()}  # fmt: skip
+        report.write(args.out, f"overhead-solo{suffix}", result, solo_table(rows) + "\n")
+        print(solo_table(rows))
+        return 0
     steps, repeats = (20, 3) if args.quick else (100, args.repeats or 7)
     rows = []
     for pressure, chat in LOADS:
@@ -425,7 +527,6 @@ def main() -> int:
                 f"ratio {row['ratio']:.3f} (stock / stock {row['stock_again_ratio']:.3f})",
                 flush=True,
             )
-    suffix = "-quick" if args.quick else ""
     if args.mechanisms:
         result = {"steps": steps, "repeats": repeats, "rows": rows, "machine": report.machine()}
         report.write(args.out, f"overhead-mechanisms{suffix}", result, mechanisms(rows) + "\n")

@@ -297,3 +297,17 @@ def test_dashboard_benchmark_times_the_live_pages_headline_and_charts(out, kvlea
         assert 0 < result[state]["headline_s"] <= result[state]["charts_s"]
         assert result[state]["main_thread_s"] > 0
         assert len(result["rounds"][state]) == 1
+
+
+def test_the_solo_overhead_benchmark_runs_each_scheduler_alone_in_its_own_process(demo_model):
+    """`--solo`: stock and kvlease each in a process of their own, as an engine core runs
+    one scheduler; a pair of processes gives a ratio, and the table shows it."""
+    from bench.overhead import solo, solo_table
+
+    row = solo(demo_model, 16, pressure=True, chat=False, steps=5, repeats=1, pairs=2)
+    assert row["processes"] == 4  # two pairs, each scheduler in a process of its own
+    assert all(us > 0 for us in row["us_per_request"].values())
+    low, high = row["ratio_per_request_range"]
+    assert 0 < low <= row["ratio_per_request"] <= high
+    header, _, line = solo_table([row]).splitlines()
+    assert line.count("|") == header.count("|") and "pressure" in line
