@@ -411,8 +411,10 @@ def measure(
 
 
 SOLO_SIZES = (256, 1024)  # the sizes issue 30's time targets are set at
-SOLO = {"stock": "vllm.v1.core.sched.scheduler:Scheduler",
-        "kvlease": "kvlease.engine.vllm_scheduler:TenantAwareScheduler"}  # fmt: skip
+SOLO = {  # module:class, imported in its own process
+    "stock": "vllm.v1.core.sched.scheduler:Scheduler",
+    "kvlease": "kvlease.engine.vllm_scheduler:TenantAwareScheduler",
+}
 
 
 def alone(
@@ -510,8 +512,8 @@ def main() -> int:
             for pressure, chat in LOADS
             for n in sizes
         ]
-        result = {"steps": steps, "repeats": repeats, "pairs": pairs, "rows": rows,
-                  "machine": report.machine()}  # fmt: skip
+        result = {"steps": steps, "repeats": repeats, "pairs": pairs, "rows": rows}
+        result["machine"] = report.machine()
         report.write(args.out, f"overhead-solo{suffix}", result, solo_table(rows) + "\n")
         print(solo_table(rows))
         return 0
