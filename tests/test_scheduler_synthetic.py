@@ -499,6 +499,24 @@ def test_a_heavy_tenant_of_a_tier_gets_its_share_not_ten_times_it(cls, demo_mode
         step(scheduler)
 
 
+@pytest.mark.parametrize("cls", CLASSES)
+def test_a_tenant_with_one_request_waiting_is_booked_the_admission_it_waited_for(cls, demo_model):
+    """vLLM appends a request to `running` right after taking it from the waiting queue,
+    so the prompt charged at that admission is booked as service while the tenant waited
+    (kvlease.engine.fairness): a light tenant beside a heavy one reads its share, not an
+    entitlement with nothing served (a fair-share ratio of 0, and the alert)."""
+    scheduler = _scheduler(cls, demo_model, blocks=24, fair_slack=0)
+    for request in [make_request("heavy", "free", 64, 32) for _ in range(20)]:
+        scheduler.add_request(request)
+    scheduler.add_request(make_request("light", "free", 64, 32))
+    step(scheduler)  # heavy's first, then light's only request, then heavy's ...
+    books = scheduler.kvlease.shares["free"].shares()
+    _, served, entitled = books["light"]
+    assert served > 0 and 0.5 <= served / entitled <= 2
+    assert books["heavy"][1] > 0
+    _run(scheduler)
+
+
 def test_fair_share_off_serves_a_tier_first_come_first_served(demo_model):
     scheduler = _scheduler(TenantAwareScheduler, demo_model, blocks=24, fair_share=False)
     heavy = [make_request("heavy", "free", 64, 32) for _ in range(20)]
