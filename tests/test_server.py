@@ -487,6 +487,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(server):
     assert streaming.wait(60)  # the first token arrived: the request is in the engine
     server.proc.send_signal(signal.SIGTERM)
     try:
+        # The drain begins when the server's loop runs its signal handler, which logs this
+        # line just after the middleware starts refusing: a request sent before that is
+        # served (CI once got a 200 here), one sent after must get the 503.
+        until(
+            lambda: "shutdown triggered" in server.log.read_text(),
+            "the server logs that its drain began",
+            60,
+        )
         # A new request during the drain: vLLM's renderer is stopping, so it once got a 500.
         late = httpx.post(
             f"{server.url}/v1/completions",
