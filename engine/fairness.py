@@ -148,12 +148,13 @@ class FairShare:
         """`a.charge` while a backlog is ending: the ending account's own charge is the
         admission it waited for, service of its backlog, which then ends; any other
         charge first ends that backlog. O(1)."""
-        ending = self.ending
-        if a is not ending:
-            self._end()
-        if a.waiting or a is ending:
+        if a is self.ending:
             self.vtime += tokens / self.weights
-        self._end()
+            self._end()
+        else:
+            self._end()
+            if a.waiting:
+                self.vtime += tokens / self.weights
 
     def _end(self) -> None:
         """Close the ending backlog, if any: book it until the next settlement."""
