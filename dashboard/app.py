@@ -133,7 +133,8 @@ def health_strip(live: data.Live, minutes: int) -> None:
         None if s.lease_hit is None else f"target {m.LEASE_HIT_ALERT:.0%}",
         delta_color="off",
         help="Of the prefix tokens running leases were keeping, the share leased sessions' "
-        "next turns found in the cache, over the window.",
+        "next turns back inside their reservation window found in the cache, over the "
+        "window (after it, a miss is the price of a shorter reservation: see Grafana).",
     )
     c4.metric(f"{s.top_tier.capitalize()} preemptions ({minutes} min)", s.top_preemptions)
     c5.metric("Waiting requests", "-" if s.waiting is None else s.waiting)

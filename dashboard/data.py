@@ -56,7 +56,8 @@ TENANT_COLUMNS = [
 ]
 EVENT_COLUMNS = ["t", "kind", "tier", "tenant_id", "reason", "n", "by_tier", "by_tenant"]
 EVENT_KINDS = ("alert", "preemption", "eviction", "lease")  # the timeline's rows, top down
-LEASE_COLUMNS = ["t", "tier", "reused", "lost"]  # prefix tokens of leased next turns, per interval
+# prefix tokens of leased next turns back inside their reservation window, per interval
+LEASE_COLUMNS = ["t", "tier", "reused", "lost"]
 FAIR_COLUMNS = ["t", "tenant_id", "tier", "served", "entitled"]  # weighted tokens, per interval
 # One row per engine (data-parallel rank; "instance/rank" across replicas), now.
 ENGINE_COLUMNS = ["engine", "pool_blocks", "free_blocks", "held", "running", "waiting"]
@@ -128,7 +129,9 @@ class Live:
     @property
     def lease_hit_ratio(self) -> float | None:
         """Share of the prefix tokens running leases were keeping that leased sessions'
-        next turns found in the cache, over the window; None without such a turn."""
+        next turns back inside their reservation window found in the cache, over the
+        window; None without such a turn. The alert's figure: after its window a turn's
+        miss is the price of not reserving, not a fault."""
         reused, lost = self.lease_reuse["reused"].sum(), self.lease_reuse["lost"].sum()
         return float(reused / (reused + lost)) if reused + lost > 0 else None
 
@@ -394,7 +397,8 @@ RANGE_QUERIES = {
     f"(increase({m.CACHED_EVICTIONS.name}[{{step}}s]))",
     # the bundled rules' alerts while firing (Prometheus's own ALERTS series)
     "alerts": 'max by (alertname, alertstate, tier, tenant_id) (ALERTS{{alertname=~"Kvlease.*"}})',
-    "lease_reuse": f"sum by (tier, outcome) (increase({m.LEASE_REUSE.name}[{{step}}s]))",
+    "lease_reuse": f"sum by (tier, outcome) "
+    f'(increase({m.LEASE_REUSE.name}{{{{reserved="true"}}}}[{{step}}s]))',
     "fair_served": f"sum by (tenant_id, tier) (increase({m.FAIR_SERVED.name}[{{step}}s]))",
     "fair_entitled": f"sum by (tenant_id, tier) (increase({m.FAIR_ENTITLED.name}[{{step}}s]))",
 }

@@ -87,7 +87,8 @@ def evaluate(live: data.Live, top_tier: str, minutes: float) -> list[Alert]:
                 "KvleaseLeaseHitLow",
                 "firing",
                 "warning",
-                f"leased next turns found {hit:.0%} of their prefix "
+                f"leased next turns back inside their reservation window found {hit:.0%} "
+                "of their prefix "
                 f"(target {m.LEASE_HIT_ALERT:.0%}) {window}",
             )
         )

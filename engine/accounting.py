@@ -55,8 +55,9 @@ class TenantAccounting:
     recomputed_tokens: Counter[Tenant] = field(default_factory=Counter)
     evicted_blocks: Counter[tuple[Tenant, str | None, bool, str]] = field(default_factory=Counter)
     offloaded_blocks: Counter[Tenant] = field(default_factory=Counter)  # gauge: off-device now
-    # (tier, "reused" or "lost") -> prefix tokens a lease covered at a session's next turn
-    lease_reuse_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # (tier, "reused" or "lost", back inside its reservation window) -> prefix tokens a
+    # lease covered at a session's next turn
+    lease_reuse_tokens: Counter[tuple[str, str, bool]] = field(default_factory=Counter)
     # (tenant label, tier) -> [served, entitled] weighted tokens while backlogged
     fair_share_tokens: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     last: Snapshot | None = None
@@ -111,10 +112,12 @@ class TenantAccounting:
     ) -> None:
         self.evicted_blocks[(tenant, tier, leased, by_tier)] += blocks
 
-    def count_lease_reuse(self, tier: str, covered: int, cached: int) -> None:
+    def count_lease_reuse(self, tier: str, covered: int, cached: int, reserved: bool) -> None:
         """A leased session's next turn: of the `covered` prefix tokens its lease was to keep,
-        those the prefix cache served (at most `cached`) were reused, the rest lost."""
+        those the prefix cache served (at most `cached`) were reused, the rest lost.
+        `reserved`: the turn came back inside its session's reservation window, so the
+        blocks were held from lower tiers; after the window only eviction order kept them."""
         reused = min(covered, max(0, cached))
         kept, lost = LEASE_OUTCOMES
-        self.lease_reuse_tokens[(tier, kept)] += reused
-        self.lease_reuse_tokens[(tier, lost)] += covered - reused
+        self.lease_reuse_tokens[(tier, kept, reserved)] += reused
+        self.lease_reuse_tokens[(tier, lost, reserved)] += covered - reused

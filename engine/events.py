@@ -143,7 +143,8 @@ class Totals(msgspec.Struct):
     evicted_blocks: list[tuple[str, str | None, bool, str, int]]  # tenant, tier, leased, by_tier
     block_seconds: list[tuple[str, float]]
     offloaded_blocks: list[tuple[str, int]]
-    lease_reuse_tokens: list[tuple[str, str, int]] = []  # tier, "reused" or "lost"
+    # tier, "reused" or "lost", whether the turn came back inside its reservation window
+    lease_reuse_tokens: list[tuple[str, str, bool, int]] = []
     # tenant, tier, weighted tokens served and entitled while backlogged (kvlease.engine.fairness)
     fair_share_tokens: list[tuple[str, str, float, float]] = []
     # tenant, tier, "reserved" or "retained": block-seconds held between turns

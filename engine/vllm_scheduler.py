@@ -187,6 +187,7 @@ class Tenancy:
     reserve_from: int  # leasing tiers whose reservations it may take (free queue `reserve`)
     key: tuple  # kvlease.engine.policy.service_key, renewed at each admission into `running`
     lease_covered: int = 0  # prefix tokens of its session's last context a lease was keeping
+    lease_reserved: bool = False  # it came back inside its session's reservation window
     lease_cached: int = -1  # its prefix-cache hit when first scheduled (-1: not yet)
     recomputed_tokens: int = 0
     recomputed_by: dict[str, int] | None = None  # those tokens by the tier that caused them
@@ -551,6 +552,7 @@ class TenantSchedulingMixin(_SchedulerBase):
                     label = kv.label(tenant_id)
                     kv.returns.turn_started(tenancy.session, label, tier.name, change.at)
                 tenancy.lease_covered = self._lease_covered(holder, request)
+                tenancy.lease_reserved = holder.reserving  # `_expire_leases` ran first
                 if tenancy.lease_covered:
                     kv.awaiting_hit[request.request_id] = tenancy
             holder.protected = True
@@ -1059,7 +1061,9 @@ class TenantSchedulingMixin(_SchedulerBase):
         if holder is not None:
             kv.awaiting_hit.pop(request.request_id, None)
             if t.lease_covered and t.lease_cached >= 0:  # it was scheduled
-                kv.accounting.count_lease_reuse(holder.tier, t.lease_covered, t.lease_cached)
+                kv.accounting.count_lease_reuse(
+                    holder.tier, t.lease_covered, t.lease_cached, t.lease_reserved
+                )
             holder.last_hashes = request.block_hashes
             holder.in_flight -= 1
             change = kv.leases.request_finished(t.session)

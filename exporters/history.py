@@ -34,10 +34,13 @@ LEASE_KINDS = ("start", "expire")  # kept on the timeline; "renew" is every leas
 
 
 def _lease_reuse(state: EngineState) -> dict[str, list[int]]:
-    """tier -> [reused, lost] prefix tokens of leased next turns, since the engine started."""
+    """tier -> [reused, lost] prefix tokens of leased next turns back inside their
+    reservation window, since the engine started: the hit the page holds to its target
+    (after the window a miss is the price of not reserving; Grafana shows both)."""
     out: dict[str, list[int]] = {}
-    for tier, outcome, n in state.totals.lease_reuse_tokens:
-        out.setdefault(tier, [0, 0])[LEASE_OUTCOMES.index(outcome)] = n
+    for tier, outcome, reserved, n in state.totals.lease_reuse_tokens:
+        if reserved:
+            out.setdefault(tier, [0, 0])[LEASE_OUTCOMES.index(outcome)] = n
     return out
 
 

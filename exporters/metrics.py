@@ -125,11 +125,15 @@ SWAPPED_BLOCKS = Family(
 LEASE_REUSE = Family(
     "vllm_tenant_lease_reuse_tokens_total",
     "counter",
-    "Prefix tokens a running lease was keeping when its session's next turn arrived, by tier "
-    "and outcome: reused (served from the prefix cache) or lost (computed again).",
-    ("tier", "outcome"),
+    "Prefix tokens a running lease was keeping when its session's next turn arrived, by tier, "
+    "outcome (reused: served from the prefix cache; lost: computed again) and reserved (true: "
+    "the turn came back inside its reservation window, when lower tiers could not take the "
+    "blocks; false: after it, when only eviction order kept them).",
+    ("tier", "outcome", "reserved"),
 )
-LEASE_HIT_ALERT = 0.90  # a tier's lease hit ratio under this for 10 min fires the alert
+# A tier's lease hit ratio of turns back inside their reservation window under this for 10
+# min fires the alert (after the window a miss is the price of not reserving, not a fault)
+LEASE_HIT_ALERT = 0.90
 FAIR_VIRTUAL_TOKENS = Family(
     "vllm_tenant_fair_virtual_tokens",
     "gauge",
@@ -442,8 +446,14 @@ class TenantMetrics:
             fam[BLOCK_SECONDS.name].add_metric([tenant], seconds)
         for tenant, tier, held_as, seconds in sorted(totals.retention_block_seconds):
             fam[RETENTION_BLOCK_SECONDS.name].add_metric([tenant, tier, held_as], seconds)
-        for tier, outcome, n in sorted(totals.lease_reuse_tokens):
-            fam[LEASE_REUSE.name].add_metric([tier, outcome], n)
+        # Every outcome, inside and after the window, of a tier with a leased next turn: a
+        # series that starts at 0 lets increase() see its first turns and the ratios exist
+        reuse = {(t, outcome, reserved): n for t, outcome, reserved, n in totals.lease_reuse_tokens}
+        for tier in sorted({key[0] for key in reuse}):
+            for outcome in LEASE_OUTCOMES:
+                for reserved in (True, False):
+                    n = reuse.get((tier, outcome, reserved), 0)
+                    fam[LEASE_REUSE.name].add_metric([tier, outcome, str(reserved).lower()], n)
         for tenant, tier, served, entitled in sorted(totals.fair_share_tokens):
             fam[FAIR_SERVED.name].add_metric([tenant, tier], served)
             fam[FAIR_ENTITLED.name].add_metric([tenant, tier], entitled)

@@ -110,14 +110,14 @@ def _q(expr: str, legend: str = "") -> tuple[Query, ...]:
     return (Query(expr, legend),)
 
 
-def lease_hit_ratio(sel: str, window: str, by: str = "tier") -> str:
-    """Reused / (reused + lost) prefix tokens of leased next turns, by `by`."""
-    reused = (
-        f'{sel}, outcome="{m.LEASE_OUTCOMES[0]}"' if sel else f'outcome="{m.LEASE_OUTCOMES[0]}"'
-    )
+def lease_hit_ratio(sel: str, window: str, by: str = "tier", reserved: bool = True) -> str:
+    """Reused / (reused + lost) prefix tokens of leased next turns, by `by`: of the turns
+    back inside their reservation window (`reserved`), or of those back after it."""
+    turns = ", ".join(s for s in (sel, f'reserved="{str(reserved).lower()}"') if s)
+    reused = f'{turns}, outcome="{m.LEASE_OUTCOMES[0]}"'
     return (
         f"{_sum('increase', m.LEASE_REUSE.name, by, reused, window)} / "
-        f"{_sum('increase', m.LEASE_REUSE.name, by, sel, window)}"
+        f"{_sum('increase', m.LEASE_REUSE.name, by, turns, window)}"
     )
 
 
@@ -205,9 +205,18 @@ def kv_cache_panels(tiers: TierTable) -> list[Panel]:
         Panel(
             "Lease hit ratio by tier",
             "Of the prefix tokens a running lease was keeping when its session's next turn "
-            "arrived, the share the prefix cache served (the rest was computed again). "
-            f"The alert fires under {m.LEASE_HIT_ALERT:.0%} for 10 minutes.",
-            _q(lease_hit_ratio(TIER, "$__rate_interval"), "{{tier}}"),
+            "arrived, the share the prefix cache served (the rest was computed again): for "
+            "turns back inside their reservation window, when lower tiers could not take "
+            "the blocks, and for turns back after it, when only eviction order kept them. "
+            f"The alert fires when the first is under {m.LEASE_HIT_ALERT:.0%} for 10 "
+            "minutes; the second is the price of not reserving longer (reserve_quantile).",
+            (
+                Query(lease_hit_ratio(TIER, "$__rate_interval"), "{{tier}} in its window"),
+                Query(
+                    lease_hit_ratio(TIER, "$__rate_interval", reserved=False),
+                    "{{tier}} after its window",
+                ),
+            ),
             unit=RATIO,
             max=1,
             thresholds=_under(m.LEASE_HIT_ALERT),
@@ -215,8 +224,12 @@ def kv_cache_panels(tiers: TierTable) -> list[Panel]:
         Panel(
             "Lease reuse by tier (tokens)",
             "Prefix tokens of leased next turns per second: reused from the cache, or lost "
-            "(computed again).",
-            _q(_sum("rate", m.LEASE_REUSE.name, "tier, outcome", TIER), "{{tier}} {{outcome}}"),
+            "(computed again), for turns back inside their reservation window (reserved "
+            "true) and after it (false).",
+            _q(
+                _sum("rate", m.LEASE_REUSE.name, "tier, outcome, reserved", TIER),
+                "{{tier}} {{outcome}} (reserved {{reserved}})",
+            ),
             unit=TOKENS_PER_S,
             stacked=True,
         ),
@@ -784,10 +797,12 @@ def _rules(tiers: TierTable) -> list[dict[str, Any]]:
             "annotations": {
                 "summary": "Leased {{ $labels.tier }} sessions lose their prefix on "
                 "{{ $labels.instance }}",
-                "description": "Leased next turns found {{ $value | humanizePercentage }} of "
-                f"the prefix their lease was keeping (under {m.LEASE_HIT_ALERT:.0%} for 10 "
-                "minutes): the tier's leased_cache_cap is smaller than its sessions' "
-                "contexts, or the pool is too small for the leases it must honour.",
+                "description": "Leased next turns back inside their reservation window "
+                "found {{ $value | humanizePercentage }} of the prefix their lease was "
+                f"keeping (under {m.LEASE_HIT_ALERT:.0%} for 10 minutes): the tier's "
+                "reservations (leased_cache_cap, or the cap the payback lowered it to) are "
+                "smaller than its sessions' contexts, or the pool is too small for the "
+                "leases it must honour.",
             },
         },
         {

@@ -154,9 +154,12 @@ def _reuse_history(totals: list[list]) -> dict:
 
 
 def test_the_lease_hit_ratio_comes_from_the_increments_within_the_window():
-    before = [("premium", "reused", 1000), ("premium", "lost", 1000)]  # before the window
-    then = [("premium", "reused", 1300), ("premium", "lost", 1100)]
-    later = [*then[:1], ("premium", "lost", 1100), ("standard", "reused", 64)]
+    """Of turns back inside their reservation window: a turn back after it (reserved
+    False) is left out, as the alert leaves it out."""
+    before = [("premium", "reused", True, 1000), ("premium", "lost", True, 1000)]
+    then = [("premium", "reused", True, 1300), ("premium", "lost", True, 1100)]
+    after_window = ("standard", "lost", False, 500)
+    later = [*then, ("standard", "reused", True, 64), after_window]
     samples = _reuse_history([before, then, later])
     live = data.live_from_engine(_state(), samples, time.time())
     assert live.lease_hit_ratio == pytest.approx((300 + 64) / (300 + 100 + 64))

@@ -112,7 +112,11 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
                 ],
                 block_seconds=[["acme", 12.5]],
                 recomputed_tokens=[["acme", 33]],
-                lease_reuse_tokens=[["premium", "reused", 320], ["premium", "lost", 32]],
+                lease_reuse_tokens=[
+                    ["premium", "reused", True, 320],
+                    ["premium", "lost", True, 32],
+                    ["premium", "lost", False, 64],
+                ],
                 fair_share_tokens=[["acme", "premium", 96.0, 192.0]],
             )
             | {
@@ -199,8 +203,12 @@ def test_engine_totals_and_request_stats_become_samples(tiers):
         value(tpot, tier="premium", le="0.025") == 0 and value(tpot, tier="premium", le="0.05") == 1
     )
     assert value("vllm_tenant_active_swapped_blocks", tenant_id="acme") == 0
-    assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="reused") == 320
-    assert value("vllm_tenant_lease_reuse_tokens", tier="premium", outcome="lost") == 32
+    reuse = "vllm_tenant_lease_reuse_tokens"
+    assert value(reuse, tier="premium", outcome="reused", reserved="true") == 320
+    assert value(reuse, tier="premium", outcome="lost", reserved="true") == 32
+    assert value(reuse, tier="premium", outcome="lost", reserved="false") == 64
+    # each outcome of a tier with a leased next turn starts at 0, so increase() sees it
+    assert value(reuse, tier="premium", outcome="reused", reserved="false") == 0
     assert value("vllm_tenant_fair_virtual_tokens", tenant_id="acme", tier="premium") == 480
     assert value("vllm_tenant_fair_served_tokens", tenant_id="acme", tier="premium") == 96
     assert value("vllm_tenant_fair_entitled_tokens", tenant_id="acme", tier="premium") == 192

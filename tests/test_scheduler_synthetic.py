@@ -395,13 +395,13 @@ def test_a_leased_next_turn_reports_what_its_lease_covered_and_reused(demo_model
     [done] = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "RequestDone"]
     assert done.lease_covered_tokens == 128  # 130 tokens of context: four whole blocks
     assert dict(scheduler.kvlease.accounting.lease_reuse_tokens) == {
-        ("standard", "reused"): 128,
-        ("standard", "lost"): 0,
+        ("standard", "reused", True): 128,  # back at once: inside its reservation window
+        ("standard", "lost", True): 0,
     }
     state = scheduler.state()
     assert sorted(state.totals.lease_reuse_tokens) == [
-        ("standard", "lost", 0),
-        ("standard", "reused", 128),
+        ("standard", "lost", True, 0),
+        ("standard", "reused", True, 128),
     ]
     # A first turn, or a session whose lease ran out, is not a leased next turn.
     _finish_turn(scheduler, make_request("new", "premium", 0, 2, session="x", prompt=chat))
@@ -626,6 +626,31 @@ def test_a_premium_turn_is_reserved_for_its_window_then_retained_until_its_lease
     clock.now = ended + 301.0
     _turn_on(scheduler, clock, make_request("fay", "free", 32, 1))
     assert (holder.leased, holder.cached) == (0, 4)
+
+
+def test_a_leased_turn_is_counted_inside_or_after_its_reservation_window(demo_model):
+    """The lease hit the alert holds to 90% is that of turns back inside their window;
+    a turn back after it (its lease still running, 300 s) counts apart. With no history
+    premium's window is its `reserve_max_seconds`, 60 s."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)
+    scheduler.kvlease.clock = clock = ManualClock()
+    chat = _conversation(100, seed=5)
+    _turn_on(scheduler, clock, make_request("pam", "premium", 0, 30, session="c", prompt=chat))
+    holder = scheduler.kvlease.holders[("pam", "c")]
+    ended = holder.reserved_until - 60.0
+    context = chat + [7] * 30
+    clock.now = ended + 10.0
+    _turn_on(scheduler, clock, make_request("pam", "premium", 0, 30, session="c", prompt=context))
+    assert dict(scheduler.kvlease.accounting.lease_reuse_tokens) == {
+        ("premium", "reused", True): 128,
+        ("premium", "lost", True): 0,
+    }
+    ended = holder.reserved_until - 60.0
+    clock.now = ended + 100.0  # its window closed 40 s ago; its lease runs 200 s more
+    context += [7] * 30
+    assert scheduler.kvlease.leases.active(("pam", "c"))
+    _turn_on(scheduler, clock, make_request("pam", "premium", 0, 2, session="c", prompt=context))
+    assert scheduler.kvlease.accounting.lease_reuse_tokens[("premium", "reused", False)] == 128
 
 
 def test_a_turn_back_within_its_window_keeps_the_reservation_while_it_waits_for_blocks(

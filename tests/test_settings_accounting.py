@@ -92,13 +92,17 @@ def test_unbalanced_books_raise():
 
 def test_a_leased_next_turn_counts_what_the_cache_served_as_reused_and_the_rest_as_lost():
     acc = TenantAccounting()
-    acc.count_lease_reuse("premium", covered=160, cached=160)
-    acc.count_lease_reuse("premium", covered=160, cached=96)
-    acc.count_lease_reuse("standard", covered=64, cached=-1)  # never scheduled: nothing served
-    acc.count_lease_reuse("standard", covered=64, cached=300)  # a hit beyond the lease's part
+    acc.count_lease_reuse("premium", covered=160, cached=160, reserved=True)
+    acc.count_lease_reuse("premium", covered=160, cached=96, reserved=True)
+    acc.count_lease_reuse("premium", covered=96, cached=32, reserved=False)  # after its window
+    # never scheduled: nothing served; then a hit beyond the lease's part
+    acc.count_lease_reuse("standard", covered=64, cached=-1, reserved=True)
+    acc.count_lease_reuse("standard", covered=64, cached=300, reserved=True)
     assert dict(acc.lease_reuse_tokens) == {
-        ("premium", "reused"): 256,
-        ("premium", "lost"): 64,
-        ("standard", "reused"): 64,
-        ("standard", "lost"): 64,
+        ("premium", "reused", True): 256,
+        ("premium", "lost", True): 64,
+        ("premium", "reused", False): 32,
+        ("premium", "lost", False): 64,
+        ("standard", "reused", True): 64,
+        ("standard", "lost", True): 64,
     }
