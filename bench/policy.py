@@ -111,6 +111,9 @@ class Run:
     busy_steps: int
     wall_seconds: float
     dropped: int
+    # kvlease's own lease reuse count for this run (its accounting, `count_lease_reuse`):
+    # (tier, back inside its reservation window) -> [reused, lost] prefix tokens
+    lease_reuse: dict[tuple[str, bool], list[int]] = field(default_factory=dict)
 
 
 def play(
@@ -167,6 +170,7 @@ def _playing(
     live: dict[str, Request] = {}
     done: list[Request] = []
     busy_wall = 0.0
+    reuse_before = _lease_reuse_counts(scheduler)
     while not trace.done:
         for arrival in trace.due(step):
             turn = arrival.turn
@@ -211,7 +215,22 @@ def _playing(
     while scheduler.has_requests():  # hand vLLM's last finished ids to the model runner
         llm.step()
     busy = scheduler.bench.steps
-    return Run(way, done, scheduler.bench, busy, busy_wall, trace.dropped)
+    reuse = _lease_reuse(scheduler, reuse_before)
+    return Run(way, done, scheduler.bench, busy, busy_wall, trace.dropped, reuse)
+
+
+def _lease_reuse_counts(scheduler: Any) -> dict[tuple[str, str, bool], int]:
+    kv = getattr(scheduler, "kvlease", None)
+    return dict(kv.accounting.lease_reuse_tokens) if kv is not None else {}
+
+
+def _lease_reuse(scheduler: Any, before: dict) -> dict[tuple[str, bool], list[int]]:
+    """What kvlease counted of its leased next turns since `before` (its counts then)."""
+    out: dict[tuple[str, bool], list[int]] = {}
+    for (tier, outcome, reserved), n in _lease_reuse_counts(scheduler).items():
+        slot = out.setdefault((tier, reserved), [0, 0])
+        slot[outcome != "reused"] += n - before.get((tier, outcome, reserved), 0)
+    return out
 
 
 def _runs(scheduler: Any) -> int:
@@ -269,6 +288,10 @@ def summarize(run: Run, tiers: TierTable, caps: dict[str, int]) -> dict[str, Any
                 else None
             ),
             "leased_prefix_shared_bound": shared / cacheable if cacheable else None,
+            # kvlease's own count, as its metric and alert split it: [reused, lost] prefix
+            # tokens of turns back inside their reservation window, and after it (stock: 0)
+            "lease_reuse_in_window": run.lease_reuse.get((tier, True), [0, 0]),
+            "lease_reuse_after_window": run.lease_reuse.get((tier, False), [0, 0]),
         }
     out.update(
         requests=len(run.requests),
@@ -508,6 +531,11 @@ def _progress(name: str, r: dict) -> None:
     print(f"  {name:14} {r['engine_steps']} steps, {r['wall_seconds']} s; {tiers}", flush=True)
 
 
+def _hit(reused_lost: list[int]) -> str:
+    covered = sum(reused_lost)
+    return f"{reused_lost[0] / covered:.0%}" if covered else "-"
+
+
 def markdown(result: dict) -> str:
     ways = result["ways"]
     lines = [
@@ -522,6 +550,9 @@ def markdown(result: dict) -> str:
             if t["leased_prefix_hit"] is not None:
                 bound, shared = t["leased_prefix_cap_bound"], t["leased_prefix_shared_bound"]
                 hit = f"{t['leased_prefix_hit']:.0%} (caps allow {bound:.0%}; shared {shared:.0%})"
+                inside, after = t["lease_reuse_in_window"], t["lease_reuse_after_window"]
+                if sum(inside) + sum(after):
+                    hit += f"; in its window {_hit(inside)}, after it {_hit(after)}"
             lines.append(
                 f"| {way} | {tier} | {t['requests']} | {s['mean']:.1f} / {s['p99']:.0f} / "
                 f"{s['max']:.0f} | {w['mean']:.2f} / {w['p99']:.2f} | {t['tpot_steps']:.2f} | "

@@ -82,6 +82,19 @@ def test_policy_benchmark_plays_the_trace_every_way_and_accounts_for_every_token
     bounds = [t["leased_prefix_cap_bound"] for t in ways["kvlease"]["tiers"].values()]
     assert all(0 < b <= 1 for b in bounds if b is not None)
     _assert_sharing_bounds_below_the_cap_bound(ways["kvlease"])
+    # kvlease's own count of its leased next turns (its metric's, split by whether the turn
+    # came back inside its reservation window) is the benchmark's count, token for token
+    for way in ("kvlease", "reserve-never", "reserve-lease"):
+        for t in ways[way]["tiers"].values():
+            inside, after = t["lease_reuse_in_window"], t["lease_reuse_after_window"]
+            if t["leased_prefix_hit"] is not None and sum(inside) + sum(after):
+                hit = (inside[0] + after[0]) / (sum(inside) + sum(after))
+                assert hit == pytest.approx(t["leased_prefix_hit"]), way
+    # Reserved for the whole lease: no leased turn comes back after its window.
+    assert all(
+        sum(t["lease_reuse_after_window"]) == 0 for t in ways["reserve-lease"]["tiers"].values()
+    )
+    assert sum(sum(t["lease_reuse_in_window"]) for t in ways["reserve-lease"]["tiers"].values())
 
 
 def _assert_sharing_bounds_below_the_cap_bound(way: dict) -> None:
