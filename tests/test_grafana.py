@@ -187,6 +187,70 @@ def test_promtool_accepts_the_alert_rules():
     assert f"SUCCESS: {len(_alert_rules())} rules found" in result.stdout
 
 
+def _lease_reuse_series(per_minute: dict[tuple[str, str], int]) -> list[dict]:
+    """promtool input series: premium's lease reuse counters, (outcome, reserved) ->
+    tokens a minute, for 40 minutes."""
+    name = "vllm_tenant_lease_reuse_tokens_total"
+    labels = 'job="kvlease", instance="a", tier="premium"'
+    return [
+        {"series": f'{name}{{{labels}, outcome="{o}", reserved="{r}"}}', "values": f"0+{n}x40"}
+        for (o, r), n in per_minute.items()
+    ]
+
+
+def test_the_lease_hit_alert_holds_only_turns_back_inside_their_window_to_90_percent(tmp_path):
+    """Turns back after their reservation window may miss (the window is shorter than the
+    lease by design): a tier whose turns inside it hit 95% does not fire however much
+    the others miss; one whose turns inside it hit 50% does, and says 50%."""
+    rule = _rule("KvleaseLeaseHitLow")
+
+    def expected(value: str) -> dict[str, str]:
+        out = {}
+        for key, text in rule["annotations"].items():
+            for template, filled in (
+                ("{{ $value | humanizePercentage }}", value),
+                ("{{ $labels.tier }}", "premium"),
+                ("{{ $labels.instance }}", "a"),
+            ):
+                text = text.replace(template, filled)
+            out[key] = text
+        return out
+
+    def case(per_minute: dict[tuple[str, str], int], alerts: list[dict]) -> dict:
+        return {
+            "interval": "1m",
+            "input_series": _lease_reuse_series(per_minute),
+            "alert_rule_test": [
+                {"eval_time": "30m", "alertname": "KvleaseLeaseHitLow", "exp_alerts": alerts}
+            ],
+        }
+
+    firing = {
+        "exp_labels": {"job": "kvlease", "instance": "a", "tier": "premium", **rule["labels"]},
+        "exp_annotations": expected("50%"),
+    }
+    tests = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [
+            # inside the window 95% (all turns: 95 of 200, 47.5%): quiet
+            case({("reused", "true"): 95, ("lost", "true"): 5, ("lost", "false"): 100}, []),
+            # inside the window 50% (all turns: 150 of 200, 75%): fires, saying 50%
+            case(
+                {("reused", "true"): 50, ("lost", "true"): 50, ("reused", "false"): 100}, [firing]
+            ),
+        ],
+    }
+    path = tmp_path / "lease-hit.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    result = subprocess.run(
+        [shutil.which("promtool") or "promtool", "test", "rules", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.fixture(scope="module")
 def server(pressured_server):
     return pressured_server
