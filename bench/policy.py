@@ -61,6 +61,7 @@ from bench.inprocess import BLOCK_SIZE, Engine, Observations, Telemetry, start_e
 from bench.oracle import clairvoyant_kept
 from bench.workload import load
 from kvlease.demo.workload import TIERS, Turn
+from kvlease.engine.accounting import LEASE_OUTCOMES
 from kvlease.engine.tenancy import TierTable
 from kvlease.replay.clock import tick_seconds
 from kvlease.replay.sessions import Arrival, StepTrace
@@ -229,7 +230,7 @@ def _lease_reuse(scheduler: Any, before: dict) -> dict[tuple[str, bool], list[in
     out: dict[tuple[str, bool], list[int]] = {}
     for (tier, outcome, reserved), n in _lease_reuse_counts(scheduler).items():
         slot = out.setdefault((tier, reserved), [0, 0])
-        slot[outcome != "reused"] += n - before.get((tier, outcome, reserved), 0)
+        slot[LEASE_OUTCOMES.index(outcome)] += n - before.get((tier, outcome, reserved), 0)
     return out
 
 

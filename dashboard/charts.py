@@ -71,7 +71,7 @@ def pool_bar(states: dict[str, int], pool_blocks: int) -> go.Figure:
 def lease_hit_lines(series: pd.DataFrame) -> go.Figure:
     """Lease hit ratio per tier over time (turns back inside their reservation window),
     with the 90% line the alert rule uses."""
-    title = "Lease hit ratio: prefix tokens a leased next turn back in its window found cached"
+    title = "Lease hit ratio inside the reservation window: prefix tokens found cached"
     if series.empty:
         return _empty(title, "No leased session sent a next turn in this window.")
     fig = px.line(
