@@ -130,7 +130,7 @@ class Tier:
         """A request's weight: its token's claim, bounded by the table, else the default.
         A claim outside `valid_weight` (NaN, infinite, below MIN_WEIGHT) is ignored: its
         counter would become NaN or infinite and freeze fair share and the snapshot."""
-        if not valid_weight(claimed):
+        if claimed is None or not valid_weight(claimed):
             return self.weight
         return min(float(claimed), self.max_weight)
 

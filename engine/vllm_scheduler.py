@@ -496,9 +496,8 @@ class TenantSchedulingMixin(_SchedulerBase):
         tenant_id, tier_name = args.get("tenant_id"), args.get("tier")
         session_id = args.get("session_id")
         tiers = kv.settings.tiers
-        if not (isinstance(tenant_id, str) and tenant_id and isinstance(tier_name, str)) or (
-            tier_name not in tiers
-        ):
+        tier = tiers.tiers.get(tier_name) if isinstance(tier_name, str) else None
+        if not (isinstance(tenant_id, str) and tenant_id) or tier is None:
             if tenant_id is not None:
                 logger.warning(
                     "request %s: tenant fields %r are incomplete or name an unknown tier; "
@@ -519,7 +518,6 @@ class TenantSchedulingMixin(_SchedulerBase):
                 key=key,
             )
         session_id = session_id if isinstance(session_id, str) else None
-        tier = tiers[tier_name]
         kv.tenant_tiers[kv.label(tenant_id)] = tier.name
         klass = victim_class(True, tier.lease_seconds > 0, tier.priority)
         tenancy = Tenancy(
@@ -608,12 +606,21 @@ class TenantSchedulingMixin(_SchedulerBase):
         when it is preempted or finishes, so its tokens are all charged: between two, an
         admission sees each running request's last few tokens uncharged (VTC's bound grows
         by that much), for an eighth of the per-step cost. `ahead`: tokens each has computed
-        beyond `num_computed_tokens` (`account_stride`). O(running requests)."""
+        beyond `num_computed_tokens` (`account_stride`). O(running requests), one charge
+        per tenant: the tokens are summed first (charges add up; fairness.Account)."""
         tenancy = self.kvlease.tenancy
+        tokens: dict[Account, int] = {}
         for request in self.running:
             t = tenancy.get(request.request_id)
-            if t is not None:
-                self._charge(request, t, ahead)
+            if t is None or t.account is None:
+                continue
+            computed = request.num_computed_tokens + ahead
+            new = computed - t.charged_until  # generated since its last charge
+            if new > 0:
+                t.charged_until = computed
+                tokens[t.account] = tokens.get(t.account, 0) + new
+        for account, new in tokens.items():
+            account.charge(OUTPUT_COST * new)
 
     @staticmethod
     def _charge(request: Request, t: Tenancy, ahead: int = 0) -> None:
@@ -1255,10 +1262,14 @@ class TenantSchedulingMixin(_SchedulerBase):
             key = (holder, leased, taker)
             blocks[key] = blocks.get(key, 0) + 1
         now = kv.clock()
+        tenancy = kv.tenancy
         labels: dict[Holder, str] = {}  # each holder evicted from, and its tenant label
         for (holder, leased, taker), n in blocks.items():
-            request = self.requests.get(taker) if taker is not None else None
-            by_tier, by_tenant = (NO_CAUSE, None) if request is None else self._cause_of(request)
+            # the taker was classified when it was first scheduled (`_admitted`)
+            t = tenancy.get(taker) if taker is not None else None
+            by_tier, by_tenant = (
+                (NO_CAUSE, None) if t is None else (t.tier or UNCLASSIFIED, t.tenant_id)
+            )
             label = labels.get(holder)
             if label is None:
                 label = labels[holder] = kv.label(holder.tenant_id)

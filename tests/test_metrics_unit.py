@@ -236,6 +236,7 @@ def test_a_flood_of_100000_tenants_keeps_metrics_under_a_fixed_size(tiers):
     families, text = _scrape(metrics)
     tenants = {s.labels["tenant_id"] for s in families["vllm_tenant_requests"].samples}
     assert len(tenants) == 501 and OTHER in tenants
+    assert len(labels._known) == 500  # its lookup cache keeps no folded tenant
     assert len(text.encode()) < 500_000  # 501 labels x (tokens, requests, mean TTFT)
     other = [
         s.value
