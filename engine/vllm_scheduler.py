@@ -741,24 +741,31 @@ class TenantSchedulingMixin(_SchedulerBase):
         bound that cheap (`_block_unit`), every allocation takes the full path."""
         kv = self.kvlease
         unit = kv.block_unit
-        running = request.status is RUNNING
-        plain = running and not (args or kwargs or kv.kv_caps)  # tokens, lookahead; no cap
+        if unit and request.status is RUNNING and not (args or kwargs or kv.kv_caps):
+            # vLLM's call for a running request (tokens, lookahead), no KV cap to check.
+            # blocks_for(done + tokens) - blocks_for(done), inline (a hot path):
+            done = request.num_computed_tokens
+            most = -done // unit - -(done + num_new_tokens + num_lookahead_tokens) // unit
+            if most:  # it may take blocks: note whose allocation evicts
+                queue = kv.free_queue
+                kv.cause = request
+                queue.taker = request.request_id
+                if most > queue.free_unreserved:
+                    kwargs["num_lookahead_tokens"] = num_lookahead_tokens
+                    return self._allocate_leasing(request, True, most, (num_new_tokens,), kwargs)
+            return kv.allocate(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        running = request.status is RUNNING  # a waiting request, a capped tier, ...
         if not unit:
             most = 1 << 62
-        elif running:  # blocks_for(done + tokens) - blocks_for(done), inline (a hot path)
+        elif running:
             done = request.num_computed_tokens
             most = -done // unit - -(done + num_new_tokens + num_lookahead_tokens) // unit
         else:
             most = (num_new_tokens + num_lookahead_tokens) // unit + 1
-        if most or not plain:  # it may take blocks: note whose allocation evicts
-            kv.cause = request
-            queue = kv.free_queue
-            queue.taker = request.request_id
-            if not plain or most > queue.free_unreserved:
-                kwargs["num_lookahead_tokens"] = num_lookahead_tokens
-                args = (num_new_tokens, *args)
-                return self._allocate_leasing(request, running, most, args, kwargs)
-        return kv.allocate(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        kv.cause = request
+        kv.free_queue.taker = request.request_id
+        kwargs["num_lookahead_tokens"] = num_lookahead_tokens
+        return self._allocate_leasing(request, running, most, (num_new_tokens, *args), kwargs)
 
     def _allocate_leasing(
         self, request: Request, running: bool, most: int, args: tuple, kwargs: dict
