@@ -324,3 +324,19 @@ def test_the_solo_overhead_benchmark_runs_each_scheduler_alone_in_its_own_proces
     assert 0 < low <= row["ratio_per_request"] <= high
     header, _, line = solo_table([row]).splitlines()
     assert line.count("|") == header.count("|") and "pressure" in line
+
+
+def test_the_instruction_count_benchmark_counts_only_the_steps_of_each_scheduler(demo_model):
+    """bench.instructions: each scheduler alone under callgrind, which counts only inside
+    the counted steps; both schedule the same requests there, and kvlease's bookkeeping
+    shows as instructions stock does not execute."""
+    from bench.instructions import row, table
+
+    r = row(demo_model, 16, pressure=False, chat=False, steps=5)
+    assert r["scheduled"]["stock"] == r["scheduled"]["kvlease"] > 0
+    for figures in r["per_request"].values():
+        assert figures["Ir"] > figures["L1 misses"] > figures["LL misses"] >= 0
+        assert figures["cycles (est.)"] > figures["Ir"]
+    assert r["ratio"]["Ir"] > 1
+    header, _, line = table([r]).splitlines()
+    assert line.count("|") == header.count("|") and "no pressure" in line
