@@ -200,6 +200,11 @@ class Tenancy:
     def session(self) -> Session:
         return (self.tenant_id, self.session_id)
 
+    @property
+    def cause(self) -> tuple[str, str | None]:
+        """(tier, tenant), as a preemption or eviction names what it made room for."""
+        return self.tier or UNCLASSIFIED, self.tenant_id
+
     def candidate(self, request: Request, counter: float) -> Candidate:
         return Candidate(
             classified=self.tenant_id is not None,
@@ -1003,15 +1008,13 @@ class TenantSchedulingMixin(_SchedulerBase):
             )
         )
 
-    def _cause_of(self, request: Request | None = None) -> tuple[str, str | None]:
-        """(tier, tenant) of the allocation a preemption or eviction makes room for:
-        `request`, else the one under way (NO_CAUSE when none is: a cache reset)."""
+    def _cause_of(self) -> tuple[str, str | None]:
+        """(tier, tenant) of the allocation under way, which a preemption makes room for
+        (NO_CAUSE when none is: a cache reset)."""
         kv = self.kvlease
-        cause = request or kv.cause
-        if cause is None:
+        if kv.cause is None:
             return NO_CAUSE, None
-        t = kv.tenancy.get(cause.request_id) or self._tenancy_of(cause)
-        return t.tier or UNCLASSIFIED, t.tenant_id
+        return (kv.tenancy.get(kv.cause.request_id) or self._tenancy_of(kv.cause)).cause
 
     def _free_request_blocks(self, request: Request) -> None:
         """File the blocks under their session, now or, when vLLM defers the free past an
@@ -1274,9 +1277,7 @@ class TenantSchedulingMixin(_SchedulerBase):
         for (holder, leased, taker), n in blocks.items():
             # the taker was classified when it was first scheduled (`_admitted`)
             t = tenancy.get(taker) if taker is not None else None
-            by_tier, by_tenant = (
-                (NO_CAUSE, None) if t is None else (t.tier or UNCLASSIFIED, t.tenant_id)
-            )
+            by_tier, by_tenant = (NO_CAUSE, None) if t is None else t.cause
             label = labels.get(holder)
             if label is None:
                 label = labels[holder] = kv.label(holder.tenant_id)
