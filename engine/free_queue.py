@@ -211,26 +211,15 @@ class TenantFreeBlockQueue:
         """`n` pops, the list walked once: every allocation of new blocks comes here."""
         assert self.num_free_blocks >= n
         blocks = []
-        owners = self._owner
         node = self._head.next_free_block
-        try:
-            for _ in range(n):
-                while node.block_id < 0:  # a separator: the next segment, unless hidden
-                    if node is self._tail or node.segment >= self.reserve_from:
-                        raise ValueError("No free blocks available")
-                    node = node.next_free_block
-                block, node = node, node.next_free_block
-                prev = block.prev_free_block  # `_unlink`, inlined: every new block comes here
-                prev.next_free_block = node
-                node.prev_free_block = prev
-                block.prev_free_block = block.next_free_block = None
-                owner = owners[block.block_id]
-                if owner is not None:
-                    self._disown(block, owner, evicting=True)
-                blocks.append(block)
-        finally:
-            self._free -= len(blocks)
-            self.num_free_blocks -= len(blocks)
+        for _ in range(n):
+            while node.block_id < 0:  # a separator: the next segment, unless hidden
+                if node is self._tail or node.segment >= self.reserve_from:
+                    raise ValueError("No free blocks available")
+                node = node.next_free_block
+            block, node = node, node.next_free_block
+            self._unlink(block, evicting=True)
+            blocks.append(block)
         return blocks
 
     def remove(self, block: Block) -> None:
@@ -438,13 +427,10 @@ class TenantFreeBlockQueue:
         block.prev_free_block = block.next_free_block = None
         self._free -= 1
         self.num_free_blocks -= 1
-        owner = self._owner[block.block_id]
-        if owner is not None:
-            self._disown(block, owner, evicting)
-
-    def _disown(self, block: Block, owner: Holder, evicting: bool) -> None:
-        """The unlinked `block` no longer counts for `owner`; an eviction is logged."""
         i = block.block_id
+        owner = self._owner[i]
+        if owner is None:
+            return
         self._owner[i] = None
         seg = self._segment[i]
         leased = seg >= FIRST_LEASED
