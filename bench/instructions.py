@@ -43,7 +43,6 @@ from bench import report
 from bench.overhead import LOADS, SOLO, TIME_TARGET, _load, build, time_steps
 
 RESULTS = Path(__file__).parent / "results"
-EVENTS = ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")  # callgrind's names
 L1_MISS, LL_MISS = 10, 100  # kcachegrind's cycle estimate: cycles per miss
 
 
@@ -81,17 +80,21 @@ def count(name: str, model: str, n: int, pressure: bool, chat: bool, steps: int)
                 text=True, env=env,
             )  # fmt: skip
         assert child.stdin is not None and child.stdout is not None
+
+        def failed() -> RuntimeError:
+            return RuntimeError(f"{name} under callgrind failed: {log.read_text()[-2000:]}")
+
         lines = iter(child.stdout.readline, "")
         if next((line for line in lines if line.strip() == "ready"), None) is None:
             child.wait()
-            raise RuntimeError(f"{name} under callgrind failed: {log.read_text()[-2000:]}")
+            raise failed()
         subprocess.run(["callgrind_control", "-i", "on", str(child.pid)], check=True,
                        capture_output=True)  # fmt: skip
         child.stdin.write("go\n")
         child.stdin.flush()
         rest = list(lines)
         if child.wait() != 0 or not rest:
-            raise RuntimeError(f"{name} under callgrind failed: {log.read_text()[-2000:]}")
+            raise failed()
         figure = json.loads(rest[-1])
         totals = _totals(out)
     return {**totals, "scheduled": figure["scheduled"]}
