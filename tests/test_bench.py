@@ -326,11 +326,12 @@ def test_the_solo_overhead_benchmark_runs_each_scheduler_alone_in_its_own_proces
     assert line.count("|") == header.count("|") and "pressure" in line
 
 
-def test_the_instruction_count_benchmark_counts_only_the_steps_of_each_scheduler(demo_model):
+def test_the_instruction_count_benchmark_counts_only_each_schedulers_own_calls(demo_model):
     """bench.instructions: each scheduler alone under callgrind, which counts only inside
-    the counted steps; both schedule the same requests there, and kvlease's bookkeeping
-    shows as instructions stock does not execute."""
-    from bench.instructions import row, table
+    the scheduler's own calls, on the caches of one of this machine's cores; both schedule
+    the same requests there, and kvlease's bookkeeping shows as instructions stock does
+    not execute."""
+    from bench.instructions import core_caches, row, table
 
     r = row(demo_model, 16, pressure=False, chat=False, steps=5)
     assert r["scheduled"]["stock"] == r["scheduled"]["kvlease"] > 0
@@ -338,5 +339,36 @@ def test_the_instruction_count_benchmark_counts_only_the_steps_of_each_scheduler
         assert figures["Ir"] > figures["L1 misses"] > figures["LL misses"] >= 0
         assert figures["cycles (est.)"] > figures["Ir"]
     assert r["ratio"]["Ir"] > 1
+    last_level = core_caches().get("LL")
+    if last_level:  # the core's L2 is what callgrind simulated as its last level
+        assert f"LL cache: {last_level.split(',')[0]} B" in " ".join(r["caches"])
     header, _, line = table([r]).splitlines()
     assert line.count("|") == header.count("|") and "no pressure" in line
+
+
+def test_the_instruction_count_simulates_one_cores_caches_as_sysfs_describes_them(tmp_path):
+    """Level 1 instruction and data caches and the core's unified L2 become callgrind's
+    I1, D1 and LL; the shared L3 is left out; a machine that does not say all three gets
+    valgrind's own detection (no options)."""
+    from bench.instructions import core_caches
+
+    def cache(index: int, level: int, kind: str, size: str, ways: int) -> None:
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (
+            ("level", level),
+            ("type", kind),
+            ("size", size),
+            ("ways_of_associativity", ways),
+            ("coherency_line_size", 64),
+        ):
+            (folder / name).write_text(f"{value}\n")
+
+    cache(0, 1, "Data", "48K", 12)
+    cache(1, 1, "Instruction", "32K", 8)
+    assert core_caches(tmp_path) == {}
+    cache(2, 2, "Unified", "2048K", 16)
+    cache(3, 3, "Unified", "8192K", 16)
+    assert core_caches(tmp_path) == {
+        "D1": "49152,12,64", "I1": "32768,8,64", "LL": "2097152,16,64"
+    }  # fmt: skip
