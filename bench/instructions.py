@@ -79,8 +79,8 @@ def core_caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict
     instruction and data, and the second level as callgrind's last level (`--LL`), so
     its "LL misses" are the accesses that leave the core. Valgrind's own detection read a
     64 MB last level on a virtual machine whose L3 is 8 MB, shared with its neighbours:
-    every miss of the core's L2 went uncounted. Empty where sysfs does not say (valgrind
-    then detects)."""
+    every miss of the core's L2 went uncounted. Empty where sysfs does not say, or gives
+    a geometry callgrind refuses (a set count not a power of two): valgrind then detects."""
     found: dict[str, str] = {}
     for index in sorted(root.glob("index*")):
         try:
@@ -93,7 +93,10 @@ def core_caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict
             continue
         name = CACHE_OPTIONS.get((level, kind))
         if name and size.endswith("K"):
-            found[name] = f"{int(size[:-1]) * 1024},{ways},{line}"
+            nbytes, block = int(size[:-1]) * 1024, int(ways) * int(line)
+            sets = nbytes // block if block else 0
+            if sets and sets * block == nbytes and sets & (sets - 1) == 0:  # 2^k sets only
+                found[name] = f"{nbytes},{ways},{line}"
     return found if len(found) == 3 else {}
 
 

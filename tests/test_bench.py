@@ -348,8 +348,8 @@ def test_the_instruction_count_benchmark_counts_only_each_schedulers_own_calls(d
 
 def test_the_instruction_count_simulates_one_cores_caches_as_sysfs_describes_them(tmp_path):
     """Level 1 instruction and data caches and the core's unified L2 become callgrind's
-    I1, D1 and LL; the shared L3 is left out; a machine that does not say all three gets
-    valgrind's own detection (no options)."""
+    I1, D1 and LL; the shared L3 is left out; a machine that does not say all three, or
+    says a geometry callgrind refuses, gets valgrind's own detection (no options)."""
     from bench.instructions import core_caches
 
     def cache(index: int, level: int, kind: str, size: str, ways: int) -> None:
@@ -372,3 +372,5 @@ def test_the_instruction_count_simulates_one_cores_caches_as_sysfs_describes_the
     assert core_caches(tmp_path) == {
         "D1": "49152,12,64", "I1": "32768,8,64", "LL": "2097152,16,64"
     }  # fmt: skip
+    (tmp_path / "index2" / "size").write_text("768K\n")  # 768 sets: callgrind refuses it
+    assert core_caches(tmp_path) == {}
