@@ -52,6 +52,7 @@ L1_MISS, LL_MISS = 10, 100  # kcachegrind's cycle estimate: cycles per miss
 # bench.overhead's step (building the requests and the model output too) added about
 # 9,000 instructions a request to both and read kvlease 0.2-1.3 points lower.
 COUNTED = ("schedule", "update_from_output", "add_request")
+STEPS = (20, 300)  # counted steps: --quick, full
 # sysfs's (level, type) of a core's own caches -> callgrind's option (`core_caches`)
 CACHE_OPTIONS = {("1", "Instruction"): "I1", ("1", "Data"): "D1", ("2", "Unified"): "LL"}
 
@@ -209,14 +210,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 running, 20 steps")
+def options(doc: str, child: str, steps: tuple[int, int]) -> argparse.Namespace:
+    """The command line of a bench that runs each scheduler alone in a process of its own
+    (this one, bench.bytecodes): `--quick` (64 running, `steps[0]` steps, no pressure),
+    `--model`, `--steps` (default `steps[1]`), `--out`, and `--<child>`, the JSON job its
+    child process is given."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"64 running, {steps[0]} steps")
     parser.add_argument("--model", default=None, help="default: the demo model's config")
-    parser.add_argument("--steps", type=int, default=None, help="counted steps (default 300)")
+    parser.add_argument("--steps", type=int, default=None, help=f"default {steps[1]}")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--counted", help=argparse.SUPPRESS)  # the child: a JSON job
-    args = parser.parse_args()
+    parser.add_argument(f"--{child}", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def runs(args: argparse.Namespace, steps: tuple[int, int]) -> tuple[str, int, int, tuple]:
+    """(model, requests running, steps, loads) the options ask for."""
+    from kvlease.demo.model import ensure_demo_model
+
+    model = args.model or str(ensure_demo_model())
+    if args.quick:
+        return model, 64, args.steps or steps[0], LOADS[:1]
+    return model, 256, args.steps or steps[1], LOADS
+
+
+def main() -> int:
+    args = options(__doc__ or "", "counted", STEPS)
     if args.counted:
         counted(*json.loads(args.counted))
         return 0
@@ -224,11 +243,7 @@ def main() -> int:
         if shutil.which(tool) is None:
             print(f"bench.instructions needs {tool}: apt-get install valgrind", file=sys.stderr)
             return 2
-    from kvlease.demo.model import ensure_demo_model
-
-    model = args.model or str(ensure_demo_model())
-    n, steps = (64, args.steps or 20) if args.quick else (256, args.steps or 300)
-    loads = LOADS[:1] if args.quick else LOADS
+    model, n, steps, loads = runs(args, STEPS)
     rows = [row(model, n, pressure, chat, steps) for pressure, chat in loads]
     result = {"rows": rows, "machine": report.machine()}
     name = "instructions-quick" if args.quick else "instructions"

@@ -346,6 +346,28 @@ def test_the_instruction_count_benchmark_counts_only_each_schedulers_own_calls(d
     assert line.count("|") == header.count("|") and "no pressure" in line
 
 
+def test_the_bytecode_map_counts_each_schedulers_functions_and_puts_kvleases_code_in_its_own(
+    demo_model,
+):
+    """bench.bytecodes: each of the three schedulers alone in a process, its own calls
+    traced; stock runs none of kvlease's code, both kvleases run it, every function's
+    bytecodes add up to the total, and the table lists the functions kvlease adds."""
+    from bench.bytecodes import SCHEDULERS, is_kvleases, row, table
+
+    r = row(demo_model, 16, pressure=False, chat=False, steps=3)
+    assert set(r["scheduled"]) == set(SCHEDULERS) and len(set(r["scheduled"].values())) == 1
+    per = r["per_request"]
+    assert r["kvleases_own"]["stock"] == 0 and not any(map(is_kvleases, per["stock"]))
+    assert r["kvleases_own"]["kvlease"] > r["kvleases_own"]["every mechanism off"] > 0
+    for name, functions in per.items():
+        assert abs(sum(functions.values()) - r["total"][name]) < 1e-6
+        assert any(f.startswith("vllm/v1/core/sched/scheduler.py:") for f in functions)
+    assert "engine/vllm_scheduler.py:TenantSchedulingMixin.schedule" in per["kvlease"]
+    lines = table(r, top=5).splitlines()
+    header, _, *body = lines[2:]
+    assert len(body) == 2 + 5 and all(line.count("|") == header.count("|") for line in body)
+
+
 def test_the_instruction_count_simulates_one_cores_caches_as_sysfs_describes_them(tmp_path):
     """Level 1 instruction and data caches and the core's unified L2 become callgrind's
     I1, D1 and LL; the shared L3 is left out; a machine that does not say all three, or
