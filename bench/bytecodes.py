@@ -13,31 +13,33 @@ schedulers are stock (vLLM's FCFS), kvlease as shipped, and kvlease with every m
 off (bench.overhead's EVERY_MECHANISM_OFF): kvlease minus that is what the policy's
 mechanisms execute, that minus stock what kvlease's bookkeeping does (tier queues,
 attribution, accounting) and what vLLM's own code does differently for it. Counts repeat
-run to run, and a change of one call a request shows. A bytecode is not a fixed cost (a
-call, a new object or a cache miss costs many instructions) and the tracer slows the run
-about fiftyfold, so this is a map, not a measure: bench.instructions and bench.overhead
-measure. Results: bench/results/bytecodes.*
+run to run without chat turns, so a change of one call a request shows; with them
+kvlease's decisions moved a little between two runs (see docs/benchmarks.md). A
+bytecode is not a fixed cost (a call, a new object or a cache miss costs many
+instructions) and the tracer slows the run about fiftyfold, so this is a map, not a
+measure: bench.instructions and bench.overhead measure. Results: bench/results/bytecodes.*
 """
 
 from __future__ import annotations
 
 import collections
-import gc
-import importlib
 import json
 import os
 import subprocess
 import sys
+import sysconfig
 import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.instructions import COUNTED, options, runs
-from bench.overhead import EVERY_MECHANISM_OFF, SOLO, _load, build, time_steps
+from bench.instructions import options, prepared, runs
+from bench.overhead import EVERY_MECHANISM_OFF, _load, time_steps
 
 KVLEASE_ROOT = Path(__file__).resolve().parent.parent  # this checkout: kvlease's own files
+CHECKOUT = str(KVLEASE_ROOT) + os.sep
+STDLIB = sysconfig.get_path("stdlib") + os.sep
 # The profiled schedulers: SOLO's class, and kvlease's settings beside the shipped ones
 SCHEDULERS = {
     "stock": ("stock", None),
@@ -49,13 +51,16 @@ STEPS = (10, 100)  # traced steps: --quick, full
 
 
 def function_of(code: types.CodeType) -> str:
-    """`path:qualified name`, the path relative to kvlease's checkout or to site-packages
-    (`vllm/v1/core/...`), so one function has one name on every machine."""
-    path, packages, root = code.co_filename, "site-packages" + os.sep, str(KVLEASE_ROOT) + os.sep
+    """`path:qualified name`, the path relative to site-packages (`vllm/v1/core/...`), to
+    Python's standard library (`stdlib/contextlib.py`) or to kvlease's checkout, so one
+    function has one name on every machine."""
+    path, packages = code.co_filename, "site-packages" + os.sep
     if packages in path:  # first: the venv may sit inside the checkout
         path = path.split(packages, 1)[1]
-    elif path.startswith(root):
-        path = path[len(root) :]
+    elif path.startswith(STDLIB):
+        path = "stdlib" + os.sep + path[len(STDLIB) :]
+    elif path.startswith(CHECKOUT):
+        path = path[len(CHECKOUT) :]
     return f"{path}:{code.co_qualname}"
 
 
@@ -67,11 +72,6 @@ def is_kvleases(function: str) -> bool:
 def profiled(name: str, model: str, n: int, pressure: bool, chat: bool, steps: int) -> dict:
     """The child: build and warm one scheduler, then run `steps` steps with each COUNTED
     call traced; bytecodes executed per function and the requests scheduled."""
-    kind, settings = SCHEDULERS[name]
-    module, cls = SOLO[kind].split(":")
-    scheduler_cls = getattr(importlib.import_module(module), cls)
-    load = build(scheduler_cls, model, n, pressure, kvlease=settings, chat=chat)
-    load.sample_if_due = lambda: None  # type: ignore[method-assign]  # as bench.instructions
     counts: collections.Counter[types.CodeType] = collections.Counter()
 
     def opcodes(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -93,11 +93,8 @@ def profiled(name: str, model: str, n: int, pressure: bool, chat: bool, steps: i
 
         return call
 
-    scheduler = load.scheduler
-    for method in COUNTED:
-        setattr(scheduler, method, traced(getattr(scheduler, method)))
-    gc.collect()
-    gc.freeze()
+    kind, settings = SCHEDULERS[name]
+    load = prepared(kind, model, n, pressure, chat, traced, settings)
     _, scheduled = time_steps(load, steps)
     functions: dict[str, int] = collections.Counter()
     for code, count in counts.items():

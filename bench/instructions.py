@@ -40,11 +40,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.overhead import LOADS, SOLO, TIME_TARGET, _load, build, time_steps
+from bench.overhead import LOADS, SOLO, TIME_TARGET, Load, _load, build, time_steps
 
 RESULTS = Path(__file__).parent / "results"
 L1_MISS, LL_MISS = 10, 100  # kcachegrind's cycle estimate: cycles per miss
@@ -57,18 +58,39 @@ STEPS = (20, 300)  # counted steps: --quick, full
 CACHE_OPTIONS = {("1", "Instruction"): "I1", ("1", "Data"): "D1", ("2", "Unified"): "LL"}
 
 
+def prepared(
+    kind: str,
+    model: str,
+    n: int,
+    pressure: bool,
+    chat: bool,
+    wrap: Callable[[Any], Any],
+    settings: dict | None = None,
+) -> Load:
+    """A scheduler of SOLO's `kind` (kvlease `settings` beside the shipped ones), built and
+    warmed up as bench.overhead builds it, its COUNTED methods each replaced by
+    `wrap(method)`, its occupancy sample left out (see the module docstring) and the heap
+    frozen as vLLM's EngineCore freezes it: ready for its counted or traced steps."""
+    module, cls = SOLO[kind].split(":")
+    scheduler_cls = getattr(importlib.import_module(module), cls)
+    load = build(scheduler_cls, model, n, pressure, kvlease=settings, chat=chat)
+    load.sample_if_due = lambda: None  # type: ignore[method-assign]
+    for method in COUNTED:
+        setattr(load.scheduler, method, wrap(getattr(load.scheduler, method)))
+    gc.collect()
+    gc.freeze()
+    return load
+
+
 def counted(name: str, model: str, n: int, pressure: bool, chat: bool, steps: int) -> None:
     """The child: build and warm one scheduler, say `ready`, wait for `go` (the parent has
     turned instrumentation on), run `steps` steps, each of the scheduler's COUNTED calls
     inside `operator.call`, print the requests they scheduled."""
-    module, cls = SOLO[name].split(":")
-    load = build(getattr(importlib.import_module(module), cls), model, n, pressure, chat=chat)
-    load.sample_if_due = lambda: None  # type: ignore[method-assign]  # see the docstring
-    scheduler = load.scheduler
-    for method in COUNTED:  # each call goes through operator.call: the counted window
-        setattr(scheduler, method, functools.partial(operator.call, getattr(scheduler, method)))
-    gc.collect()
-    gc.freeze()
+
+    def window(method: Any) -> Any:  # each call goes through operator.call: the counted window
+        return functools.partial(operator.call, method)
+
+    load = prepared(name, model, n, pressure, chat, window)
     print("ready", flush=True)
     sys.stdin.readline()
     _, scheduled = time_steps(load, steps)
