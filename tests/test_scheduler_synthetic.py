@@ -950,20 +950,31 @@ def test_every_preemption_and_eviction_names_the_allocation_that_caused_it(demo_
 def test_under_pressure_an_eviction_names_the_allocation_the_free_queue_logged_it_with(
     demo_model,
 ):
-    """In a step that may run short kvlease's wrapper allocates, and the free queue logs
-    each block it evicts with the request allocating (its output could name another, if
-    that request were preempted later in the step and its block handed on)."""
-    scheduler = _scheduler(TenantAwareScheduler, demo_model)  # 24 blocks: every step may run short
-    for _ in range(2):  # one tenant's prefixes: 2 x 8 of 23 blocks
-        scheduler.add_request(make_request("old", "free", 8 * BLOCK, 1))
-        _run(scheduler)
-    scheduler.kvlease.events.drain()
-    scheduler.add_request(make_request("new", "standard", 10 * BLOCK, 1))
-    step(scheduler)
-    assert scheduler.kv_cache_manager.allocate_slots == scheduler.kvlease.wrapped_allocate
-    evicted = [e for e in scheduler.kvlease.events.drain() if type(e).__name__ == "Eviction"]
-    assert {(e.tenant_id, e.by_tier, e.by_tenant) for e in evicted} == {("old", "standard", "new")}
-    assert sum(e.blocks for e in evicted) == 3  # its 10 blocks: the 7 empty, then 3 cached
+    """In a step whose running requests may begin more blocks than are free, kvlease's
+    wrapper allocates, and the free queue logs each block it evicts with the request
+    allocating (the step's output could name another, were that request preempted later
+    in the step and its block handed on). Here the third decode runs short and preempts
+    itself. In the step before, with as few blocks free but no decode beginning a block,
+    vLLM allocates alone."""
+    scheduler = _scheduler(TenantAwareScheduler, demo_model)  # 23 blocks
+    _finish_turn(scheduler, make_request("old", "free", 2 * BLOCK, 1))  # 2 blocks cached
+    for name in ("f0", "f1", "f2"):  # 7 blocks each, the last one short of full by a token
+        scheduler.add_request(make_request(name, "free", 7 * BLOCK - 1, 9, request_id=name))
+    kv, manager = scheduler.kvlease, scheduler.kv_cache_manager
+    step(scheduler)  # their prefills: the 21 empty blocks
+    kv.events.drain()
+    step(scheduler)  # each decode fills its last block: 2 blocks free for 3 running
+    assert manager.allocate_slots == kv.allocate  # vLLM's own
+    assert kv.free_queue.free_unreserved == 2
+    step(scheduler)  # each decode begins a block: 3 wanted, 2 free
+    assert manager.allocate_slots == kv.wrapped_allocate
+    events = kv.events.drain()
+    evicted = [e for e in events if type(e).__name__ == "Eviction"]
+    assert sorted((e.tenant_id, e.by_tier, e.by_tenant, e.blocks) for e in evicted) == [
+        ("old", "free", "f0", 1),
+        ("old", "free", "f1", 1),
+    ]
+    assert [e.request_id for e in events if type(e).__name__ == "Preemption"] == ["f2"]
 
 
 def test_an_eviction_without_pressure_names_the_request_its_block_went_to(demo_model):
@@ -1056,3 +1067,53 @@ def test_a_decode_inside_its_last_block_skips_the_reservation_path_however_short
     assert kv.holders[("pam", "c")].reserved == 4
     assert dry_decodes.count(0) > 10, "decodes must run with at most one unreserved block free"
     assert full_path and min(full_path) >= 1  # each began a block
+
+
+def _wrapper_trace(cls, demo_model, always_wrapped: bool) -> tuple[list, list, int]:
+    """A premium session's lease reserving 4 blocks, its next turn, and free requests
+    churning through the rest of a 23-block pool; on a clock that moves a step at a time.
+    Returns each step's scheduled tokens, the events, and the steps vLLM allocated alone."""
+    scheduler = _scheduler(cls, demo_model, reserve_payback=False)
+    if always_wrapped:  # the wrapper in every step that may run short by the cheap bound
+        scheduler._may_run_short = lambda free: True
+    kv, manager = scheduler.kvlease, scheduler.kv_cache_manager
+    kv.clock = clock = ManualClock()
+    chat = _conversation(200, seed=1)
+    turns = {0: chat[:140], 40: chat}  # step -> the premium session's turn
+    scheduled, events, alone = [], [], 0
+    for n in range(400):
+        if n in turns:
+            prompt = turns[n]
+            scheduler.add_request(make_request("pam", "premium", 0, 2, session="c",
+                                               prompt=prompt, request_id=f"pam{n}",
+                                               arrival=float(n)))  # fmt: skip
+        if 5 <= n < 29:
+            prompt = [(n * 31 + i) % 600 + 10 for i in range(30 + n)]
+            scheduler.add_request(make_request(f"f{n % 6}", "free", 0, 60, request_id=f"f{n}",
+                                               prompt=prompt, arrival=float(n)))  # fmt: skip
+        if n > max(turns) and not scheduler.has_requests():
+            break
+        out, _ = step(scheduler)
+        alone += manager.allocate_slots == kv.allocate
+        scheduled.append(dict(out.num_scheduled_tokens))
+        events += kv.events.drain()
+        kv.free_queue.check()
+        clock.now += 0.05
+    assert not scheduler.has_requests()
+    return scheduled, events, alone
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_sparing_the_wrapper_where_no_running_request_can_run_short_changes_no_decision(
+    cls, demo_model
+):
+    """The sharper bound (`_may_run_short`) leaves vLLM to allocate alone in steps where
+    the wrapper would have allocated: the same requests are scheduled, preempted, evicted
+    and reserved for, step for step, as with the wrapper in every step that may run short."""
+    sharp = _wrapper_trace(cls, demo_model, always_wrapped=False)
+    wrapped = _wrapper_trace(cls, demo_model, always_wrapped=True)
+    assert sharp[0] == wrapped[0]
+    assert sharp[1] == wrapped[1]
+    kinds = {type(e).__name__ for e in sharp[1]}
+    assert {"Preemption", "Eviction", "LeaseEvent"} <= kinds, kinds
+    assert wrapped[2] < sharp[2]  # the sharper bound spared the wrapper in more steps

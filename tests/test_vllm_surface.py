@@ -16,6 +16,7 @@ from vllm.v1.core.sched import request_queue
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from vllm.v1.request import Request
 
 from kvlease.engine.vllm_scheduler import VLLM_SURFACE
 from kvlease.replay.synthetic import make_scheduler
@@ -30,6 +31,7 @@ CLASSES = {
     "NewRequestData": NewRequestData,
     "CachedRequestData": CachedRequestData,
     "SingleTypeKVCacheManager": SingleTypeKVCacheManager,
+    "Request": Request,
 }
 
 
